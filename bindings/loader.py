@@ -1,0 +1,86 @@
+"""Load the one patched libllama for both page_local (through cffi) and llama_cpp (ctypes).
+
+llama_cpp binds every symbol of the library it finds at import time, from the folder named by
+LLAMA_CPP_LIB_PATH (read once, on first import). page_local points that variable at the patched
+build before llama_cpp is imported and dlopens the very same file, so one library is in the
+process. If llama_cpp was already imported with another library, loading fails with a clear
+message instead of running two llama.cpp copies side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from .cdef import CDEF, TYPES
+
+_LIB_NAME = {"darwin": "libllama.dylib", "win32": "llama.dll"}.get(sys.platform, "libllama.so")
+_lock = threading.Lock()
+_loaded: tuple | None = None
+
+
+class LibraryMismatch(RuntimeError):
+    """llama_cpp is using a libllama other than page-local's patched build."""
+
+
+def library_dir() -> Path:
+    """Folder of the patched libllama: $PAGE_LOCAL_LIB_DIR, else <repo>/build/bin."""
+    env = os.environ.get("PAGE_LOCAL_LIB_DIR")
+    if env:
+        return Path(env).expanduser().resolve()
+    return (Path(__file__).resolve().parent.parent / "build" / "bin").resolve()
+
+
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def load() -> tuple:
+    """Return (ffi, lib, llama_cpp) bound to the patched library; load it on first call."""
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        path = library_dir() / _LIB_NAME
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"page-local's patched llama.cpp library is missing: {path}. "
+                "Build it with `make setup` (or set PAGE_LOCAL_LIB_DIR to the folder holding it)."
+            )
+        llama_cpp = _import_llama_cpp(path)
+
+        import cffi
+
+        ffi = cffi.FFI()
+        ffi.cdef(TYPES + CDEF)
+        lib = ffi.dlopen(str(path))
+        try:
+            lib.llama_page_last_error
+        except AttributeError as e:  # an unpatched build of the same upstream
+            raise LibraryMismatch(f"{path} has no llama_page_* functions: it is not page-local's patched build") from e
+        llama_cpp.llama_backend_init()
+        _loaded = (ffi, lib, llama_cpp)
+        return _loaded
+
+
+def _import_llama_cpp(path: Path) -> ModuleType:
+    mod = sys.modules.get("llama_cpp.llama_cpp")
+    if mod is None:
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(path.parent)
+        import llama_cpp.llama_cpp as mod  # noqa: PLC0415  (deliberately late: reads the variable above)
+    loaded = getattr(getattr(mod, "_lib", None), "_name", None)
+    if loaded is None or not _same_file(loaded, path):
+        raise LibraryMismatch(
+            f"llama_cpp was already imported with {loaded}, not page-local's patched library {path}. "
+            "Import page_local (or call page_local.native.load()) before llama_cpp, or set "
+            f"LLAMA_CPP_LIB_PATH={path.parent} before starting Python."
+        )
+    import llama_cpp  # noqa: PLC0415
+
+    return llama_cpp

@@ -1,0 +1,97 @@
+// llama-page.h — page-local's additions to libllama: an attention probe and sequence-level
+// eviction of arbitrary KV positions.
+//
+// All functions are C, never throw, and report failure through their return value:
+//   0 (LLAMA_PAGE_OK) on success, a negative LLAMA_PAGE_ERR_* code otherwise. The message of the
+//   last failure on the calling thread is available from llama_page_last_error().
+//
+// IMPORTANT: llama.h promises that the positions of a sequence are contiguous. After
+// llama_page_evict() they are not: kept tokens keep their original positions (no RoPE
+// renumbering), so a sequence may hold e.g. positions {0..3, 17, 40..99}. Code that reuses a
+// prefix by position (llama-cpp-python's Llama.generate / create_completion, common/ helpers
+// that compare n_past with token counts) must never be given an evicted sequence.
+// llama_memory_seq_pos_max() still returns the newest position, and a new batch for the
+// sequence must start at seq_pos_max + 1 (llama-batch.cpp checks this).
+#pragma once
+
+#include "llama.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum llama_page_status {
+    LLAMA_PAGE_OK              =  0,
+    LLAMA_PAGE_ERR_INVALID_ARG = -1, // null pointer, bad seq_id, bad size, ...
+    LLAMA_PAGE_ERR_NO_RESULT   = -2, // no probe result: not armed, or the armed decode failed
+    LLAMA_PAGE_ERR_UNSUPPORTED = -3, // the context has no (plain or sliding-window) KV cache
+    LLAMA_PAGE_ERR_BATCH       = -4, // the armed batch was split into several ubatches or held other sequences
+    LLAMA_PAGE_ERR_POSITIONS   = -5, // evict: a position is duplicated or not in the sequence
+    LLAMA_PAGE_ERR_INTERNAL    = -6, // unexpected failure inside llama.cpp (message says what)
+};
+
+// Shape of the probe result of the last armed decode.
+struct llama_page_probe_info {
+    int32_t n_layer;   // layers of the model (rows of every per-layer array)
+    int32_t n_head;    // query heads per layer
+    int32_t top_k;     // k of the top-k arrays (as armed; entries beyond n_pos are padding)
+    int32_t n_pos;     // visible positions (union over layers), the columns of mean/rows
+    int32_t n_query;   // queries in the armed batch
+    int32_t has_rows;  // 1 if full per-head rows were kept (armed with keep_rows)
+};
+
+// Arm the probe for the next llama_decode() on this context. That decode must hold only tokens
+// of seq_id and fit in one ubatch (n_tokens <= n_ubatch); otherwise it still runs normally but
+// the probe reports LLAMA_PAGE_ERR_BATCH. For every layer l and query head h the probe computes
+//     s[l,h,p] = mean over the batch's queries q of softmax_p(q . k_p * scale + mask)
+// over every KV position p the sequence can see (the batch's own positions causally; sliding-
+// window layers see their window), exactly as the model's attention does, whatever its
+// flash-attention setting; the main attention path is not changed.
+//   top_k     : 1 <= top_k; how many positions to report per (layer, head)
+//   keep_rows : also keep the full per-head rows s[l,h,:] (n_layer * n_head * n_pos floats)
+// Arming replaces any previous result. The probe disarms itself after one llama_decode().
+LLAMA_API int32_t llama_page_probe_arm(struct llama_context * ctx, llama_seq_id seq_id, int32_t top_k, bool keep_rows);
+
+// Cancel an armed probe and drop any result. Always succeeds for a valid context.
+LLAMA_API int32_t llama_page_probe_disarm(struct llama_context * ctx);
+
+// Shape of the current result; LLAMA_PAGE_ERR_NO_RESULT if there is none (never armed, armed but
+// not decoded yet, or the armed decode failed — llama_page_last_error() says which).
+LLAMA_API int32_t llama_page_probe_get_info(const struct llama_context * ctx, struct llama_page_probe_info * info);
+
+// Copy the result out. Each call checks the size of the destination (in elements).
+//   positions : int32 [n_pos]                  visible positions, ascending (llama_pos, never cell indices)
+//   queries   : int32 [n_query]                positions of the armed batch's queries
+//   mean      : f32   [n_layer, n_pos]         head-mean score of positions[i] in layer l (0 if not visible there)
+//   topk_pos  : int32 [n_layer, n_head, top_k] positions by descending score (ties: lower position first);
+//   topk_score: f32   [n_layer, n_head, top_k] their scores; padding entries are position -1, score 0
+//   rows      : f32   [n_layer, n_head, n_pos] full per-head scores (only if armed with keep_rows)
+LLAMA_API int32_t llama_page_probe_get_positions(const struct llama_context * ctx, llama_pos * positions, int64_t n);
+LLAMA_API int32_t llama_page_probe_get_queries  (const struct llama_context * ctx, llama_pos * queries,   int64_t n);
+LLAMA_API int32_t llama_page_probe_get_mean     (const struct llama_context * ctx, float     * mean,      int64_t n);
+LLAMA_API int32_t llama_page_probe_get_topk     (const struct llama_context * ctx, llama_pos * topk_pos, float * topk_score, int64_t n);
+LLAMA_API int32_t llama_page_probe_get_rows     (const struct llama_context * ctx, float     * rows,      int64_t n);
+
+// Remove exactly the given positions from seq_id, in one call. Cells that other sequences share
+// stay for them. The positions may come in any order; each must currently be in the sequence
+// (the full-attention cache's view for sliding-window models), with no duplicates, else
+// LLAMA_PAGE_ERR_POSITIONS and the cache is unchanged. n == 0 is a no-op.
+// Kept tokens keep their positions: the sequence is no longer contiguous (see above).
+LLAMA_API int32_t llama_page_evict(struct llama_context * ctx, llama_seq_id seq_id, const llama_pos * positions, int32_t n);
+
+// Copy the positions currently held by seq_id (ascending) into out (capacity n). Returns the
+// number of positions (which may exceed n: call again with a larger buffer), or a negative code.
+LLAMA_API int32_t llama_page_seq_positions(const struct llama_context * ctx, llama_seq_id seq_id, llama_pos * out, int32_t n);
+
+// Rewrite seq_id's cells so they occupy the lowest free cells (state save, remove, restore).
+// Positions, outputs and the cache contents of the sequence are unchanged; what shrinks is the
+// attended range n_kv when eviction left holes. A sequence that shared cells with another one
+// gets its own copies afterwards.
+LLAMA_API int32_t llama_page_compact(struct llama_context * ctx, llama_seq_id seq_id);
+
+// Message of the last failure on this thread ("" if none). Valid until the next llama_page_* call.
+LLAMA_API const char * llama_page_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif

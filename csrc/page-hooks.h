@@ -1,0 +1,30 @@
+// page-hooks.h — the call sites csrc/upstream.patch adds to upstream llama.cpp.
+// Kept out of llama-graph.h on purpose: that header is included by every model file.
+#pragma once
+
+#include "llama.h"
+
+struct ggml_context;
+struct ggml_cgraph;
+struct ggml_tensor;
+struct llama_context;
+struct llama_hparams;
+struct llama_ubatch;
+
+// llama_decode(): around ctx->decode(). end() collects the probe result or records the failure.
+void llama_page_decode_begin(llama_context * ctx);
+void llama_page_decode_end  (llama_context * ctx, int32_t ret);
+
+// llama_context::process_ubatch(): before the graph is built for a ubatch. Returns true when the
+// previous graph must not be reused (a probe graph is needed now, or the last one had probe nodes).
+bool llama_page_ubatch_begin(llama_context * ctx, const llama_ubatch & ubatch);
+
+// llm_graph_context::build_attn_mha(): q [d, n_tokens, n_head, n_stream], k [d, n_kv, n_head_kv,
+// n_stream] (already permuted), the layer's mask, scale, optional KQ bias and sinks. Adds the
+// probe's side computation to gf when a probe is armed for the ubatch being built; else no-op.
+void llama_page_probe_attn(ggml_context * ctx0, ggml_cgraph * gf,
+        ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_b, ggml_tensor * kq_mask, ggml_tensor * sinks,
+        float kq_scale, const llama_hparams & hparams, bool grok_softcap, int il);
+
+// ~llama_context(): drop the page-local state of this context.
+void llama_page_context_free(llama_context * ctx);
