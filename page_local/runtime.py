@@ -1,0 +1,269 @@
+"""Owners of llama.cpp's model and context, on llama-cpp-python's low-level API.
+
+This is the lower half of the engine layer: the only place (with engine.py) that touches
+llama-cpp-python objects. It never uses `Llama.generate`, which assumes contiguous positions
+(an evicted sequence has gaps). Every native resource has one owner with close() and a context
+manager; the context is closed before the model that it borrows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import native
+
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelError(ValueError):
+    """The model file is missing, not a GGUF file, truncated, or unsupported."""
+
+
+_log_cb = None
+_log_lock = threading.Lock()
+
+
+def quiet_logs() -> None:
+    """Silence llama.cpp's logging (errors still come back as return codes and exceptions)."""
+    global _log_cb
+    with _log_lock:
+        if _log_cb is None and not os.environ.get("PAGE_LOCAL_VERBOSE"):
+            lc = native.llama_cpp()
+            _log_cb = lc.llama_log_callback(lambda level, text, user: None)
+            lc.llama_log_set(_log_cb, ctypes.c_void_p(0))
+
+
+def check_gguf(path: str | os.PathLike) -> Path:
+    """Return the path if it names a readable GGUF file, else raise ModelError saying what is wrong."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelError(f"model file not found: {p}")
+    if not p.is_file():
+        raise ModelError(f"model path is not a file: {p}")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {p}: {e.strerror}") from e
+    if magic != GGUF_MAGIC:
+        raise ModelError(f"{p} is not a GGUF model file (it starts with {magic!r}, not b'GGUF')")
+    return p
+
+
+class Model:
+    """A loaded GGUF model (owner of llama_model)."""
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
+        self.path = check_gguf(path)
+        lc = native.llama_cpp()
+        quiet_logs()
+        from llama_cpp import _internals
+
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = int(n_gpu_layers)
+        try:
+            self._m = _internals.LlamaModel(path_model=str(self.path), params=params, verbose=False)
+        except ValueError as e:  # llama-cpp-python raises ValueError("Failed to load model from file")
+            raise ModelError(
+                f"llama.cpp could not load {self.path}: the file is truncated, corrupt, or of an unsupported architecture"
+            ) from e
+        self.ptr = self._m.model
+        self.vocab = lc.llama_model_get_vocab(self.ptr)
+        self.n_layer = int(lc.llama_model_n_layer(self.ptr))
+        self.n_head = int(lc.llama_model_n_head(self.ptr))
+        self.n_head_kv = int(lc.llama_model_n_head_kv(self.ptr))
+        self.n_ctx_train = int(lc.llama_model_n_ctx_train(self.ptr))
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
+
+    @property
+    def llama_model(self):
+        """The llama-cpp-python LlamaModel (for tokenization and metadata)."""
+        return self._m
+
+    def metadata(self) -> dict[str, str]:
+        return self._m.metadata()
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self._m.tokenize(text.encode("utf-8"), add_special, parse_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._m.detokenize(list(tokens)).decode("utf-8", "replace")
+
+    def token_to_piece(self, token: int) -> bytes:
+        return self._m.token_to_piece(int(token), special=False)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(native.llama_cpp().llama_vocab_is_eog(self.vocab, int(token)))
+
+    def close(self) -> None:
+        if getattr(self, "_m", None) is not None:
+            self._m.close()
+            self._m = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    threads: int = 2
+    flash_attn: str = "auto"  # auto | on | off
+    type_kv: str = "f16"  # f16 | f32 | q8_0 | q4_0
+
+    def validate(self) -> None:
+        if self.flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
+        if self.type_kv not in KV_TYPES:
+            raise ValueError(f"type_kv must be one of {sorted(KV_TYPES)}, got {self.type_kv!r}")
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.n_ubatch > self.n_batch:
+            raise ValueError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
+
+
+class DecodeError(RuntimeError):
+    pass
+
+
+class Context:
+    """A llama_context on one Model, with a unified KV cache so sequences can share cells."""
+
+    def __init__(self, model: Model, config: ContextConfig = ContextConfig(), cb_eval=None):
+        """cb_eval: an optional llama_cpp.ggml_backend_sched_eval_callback (kept alive here; for tests)."""
+        config.validate()
+        lc = native.llama_cpp()
+        from llama_cpp import _internals
+
+        self.model = model
+        self.config = config
+        p = lc.llama_context_default_params()
+        p.n_ctx = config.n_ctx
+        p.n_batch = config.n_batch
+        p.n_ubatch = config.n_ubatch
+        p.n_seq_max = config.n_seq_max
+        p.n_threads = config.threads
+        p.n_threads_batch = config.threads
+        p.flash_attn_type = FLASH_ATTN[config.flash_attn]
+        p.type_k = p.type_v = KV_TYPES[config.type_kv]
+        p.kv_unified = True
+        p.no_perf = True
+        if cb_eval is not None:
+            p.cb_eval = cb_eval
+        self._params = p  # keep callbacks referenced for the context's lifetime
+        try:
+            self._c = _internals.LlamaContext(model=model.llama_model, params=p, verbose=False)
+        except ValueError as e:
+            raise ModelError(f"llama.cpp could not create a context (n_ctx={config.n_ctx}): {e}") from e
+        self.ptr = self._c.ctx
+        self.mem = lc.llama_get_memory(self.ptr)
+        self.n_ctx = int(lc.llama_n_ctx(self.ptr))
+        self.n_ubatch = int(lc.llama_n_ubatch(self.ptr))
+        self.n_batch = int(lc.llama_n_batch(self.ptr))
+        self.page = native.PageOps(self.ptr)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._lc = lc
+
+    # --- decoding ----------------------------------------------------------------------------
+    def decode(self, tokens, pos0: int, seq_id: int = 0, logits: str | np.ndarray = "last") -> None:
+        """Decode `tokens` at positions pos0.. in seq_id, in chunks of n_batch.
+
+        logits: "last" (only the final token), "all", "none", or a bool mask per token.
+        """
+        tokens = list(tokens)
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("nothing to decode: the token list is empty")
+        if isinstance(logits, str):
+            if logits not in ("last", "all", "none"):
+                raise ValueError(f"logits must be 'last', 'all', 'none' or a mask, got {logits!r}")
+            mask = np.zeros(n, dtype=bool)
+            if logits == "all":
+                mask[:] = True
+            elif logits == "last":
+                mask[-1] = True
+        else:
+            mask = np.asarray(logits, dtype=bool)
+            if mask.shape != (n,):
+                raise ValueError(f"logits mask has shape {mask.shape}, expected ({n},)")
+        b = self._batch
+        for s in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - s)
+            for i in range(m):
+                b.token[i] = tokens[s + i]
+                b.pos[i] = pos0 + s + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq_id
+                b.logits[i] = bool(mask[s + i])
+            b.n_tokens = m
+            rc = self._lc.llama_decode(self.ptr, b)
+            if rc != 0:
+                raise DecodeError(
+                    "llama_decode failed: the KV cache is full (no free slot)" if rc == 1 else f"llama_decode failed with code {rc}"
+                )
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """f32 (n_vocab,) logits of output i of the last decode (-1 = last), copied."""
+        ptr = self._lc.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise DecodeError(f"no logits for output {i} of the last decode")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    # --- sequences ---------------------------------------------------------------------------
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(self._lc.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._lc.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(self._lc.llama_memory_seq_pos_max(self.mem, seq_id))
+
+    def clear(self) -> None:
+        self._lc.llama_memory_clear(self.mem, True)
+
+    def cells_used(self, seq_id: int = 0) -> int:
+        return len(self.page.positions(seq_id))
+
+    # --- state -------------------------------------------------------------------------------
+    def seq_state(self, seq_id: int) -> bytes:
+        size = self._lc.llama_state_seq_get_size(self.ptr, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = self._lc.llama_state_seq_get_data(self.ptr, buf, size, seq_id)
+        if n != size:
+            raise DecodeError("could not save the sequence state")
+        return bytes(buf)
+
+    def set_seq_state(self, data: bytes, seq_id: int) -> None:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if self._lc.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id) == 0:
+            raise DecodeError("could not restore the sequence state (from another model or context size?)")
+
+    def close(self) -> None:
+        if getattr(self, "_c", None) is not None:
+            self._lc.llama_batch_free(self._batch)
+            self._c.close()
+            self._c = None
+            self.ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
