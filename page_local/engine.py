@@ -1,0 +1,367 @@
+"""The engine: one turn of PAGE-gated eviction on llama.cpp, and the API desktop apps embed.
+
+A turn (DESIGN.md, "One turn through the engine"):
+  1. tokenize; decode prompt[:-W] normally;
+  2. arm the probe; decode prompt[-W:] as one batch;
+  3. D = signal.drop(probe); gate.decide(D) -> open or closed;
+  4. open and T > B: keep = evictor.select(...); evict the rest; remove the last prompt token's
+     cell and decode it again at its original position, so the first sampled token sees the
+     compressed cache;
+  5. generate with our own sampler loop (llama-cpp-python's Llama.generate assumes contiguous
+     positions, which an evicted sequence does not have).
+
+    with Engine(budget=0.25) as eng:
+        out = eng.generate("Summarise: ...", max_tokens=64)
+        print(out.text, out.decision.open, out.decision.D)
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from . import gate as gate_mod
+from . import models
+from .evictors import get_evictor
+from .evictors.base import EvictionInput, resolve_budget
+from .probe import ProbeResult
+from .runtime import Context, ContextConfig, Model
+from .signal import drop
+
+W = 32
+TOP_K = 32
+N_SINK = 4
+
+
+class ContextFull(RuntimeError):
+    """The turn does not fit in n_ctx and nothing may be dropped (the gate kept the full cache)."""
+
+    def __init__(self, used: int, needed: int, n_ctx: int, gate_open: bool | None = None):
+        self.used, self.needed, self.n_ctx, self.gate_open = used, needed, n_ctx, gate_open
+        super().__init__(
+            f"the context is full: {used} cells are in use and this turn needs {needed} more, "
+            f"but n_ctx is {n_ctx}. Nothing was dropped. Start a new conversation, use a larger n_ctx, "
+            "or let the evictor run (gate 'always') at your own risk."
+        )
+
+
+class EngineBusy(RuntimeError):
+    """An Engine is not thread-safe: one generation at a time."""
+
+
+@dataclass
+class Decision:
+    """What the gate and the evictor did on one turn."""
+
+    T: int  # positions in the sequence after this turn's prompt
+    B: int  # budget (kept positions if the gate opens and T > B)
+    D: float | None  # PAGE's drop (None when the probe did not run)
+    z: float | None  # calibrated score, when the model has a profile
+    open: bool  # the gate's decision
+    evicted: bool  # eviction actually ran (open and T > B)
+    kept: int  # positions held after the decision
+    compression: float  # T / kept
+    gate_mode: str
+    rule: str  # raw | calibrated | forced
+    reason: str  # plain words
+    evictor: str
+    prefill_ms: float = 0.0
+    probe_ms: float = 0.0  # reading the probe result
+    gate_ms: float = 0.0  # signal + gate
+    evict_ms: float = 0.0  # selection + eviction + re-decode of the last prompt token
+    agreement: list[float] = field(default_factory=list)  # per-layer head agreement
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    decision: Decision
+    finish_reason: str  # stop | length | context
+    prompt_tokens: int
+    gen_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.gen_s if self.gen_s > 0 else 0.0
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 5):
+            raise ValueError(f"temperature must be in [0, 5], got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+
+
+class Engine:
+    """A model, a context and the PAGE pipeline. Not thread-safe: use one engine per thread."""
+
+    def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096, budget: float | int = 0.25,
+                 evictor: str = "snapkv", gate: str = "page", threads: int = 2, flash_attn: str = "auto",
+                 type_kv: str = "f16", seed: int = 0, n_seq_max: int = 1, evictor_options: dict | None = None):
+        path = Path(model) if model is not None else models.default_model_path()
+        self.set_budget(budget)
+        self._evictor = get_evictor(evictor, **(evictor_options or {}))
+        self.gate = gate_mod.Gate(gate)  # validates the mode before loading anything
+        self.seed = seed
+        self._lock = threading.Lock()
+        self.model = Model(path)
+        try:
+            self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, flash_attn=flash_attn,
+                                                         type_kv=type_kv, n_seq_max=n_seq_max))
+        except Exception:
+            self.model.close()
+            raise
+        self.model_id = gate_mod.model_identity(path)
+        self.gate = gate_mod.Gate.for_model(self.model_id, gate)
+        self.profile_warning = self.gate.warning
+        self.history: list[int] = []  # tokens in seq 0, in order (evicted ones included)
+        self.last_decision: Decision | None = None
+
+    # --- settings ----------------------------------------------------------------------------
+    def set_budget(self, budget: float | int) -> None:
+        resolve_budget(budget, 10_000, W, N_SINK)  # validates (ratio or absolute) before use
+        self.budget = budget
+
+    def set_evictor(self, name: str, **options) -> None:
+        self._evictor = get_evictor(name, **options)
+
+    def set_gate(self, mode: str) -> None:
+        g = gate_mod.Gate(mode, self.gate.profile)
+        self.gate = g
+
+    @property
+    def evictor(self) -> str:
+        return self._evictor.name
+
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    def cells_used(self) -> int:
+        return self.ctx.cells_used(0)
+
+    def reset(self) -> None:
+        """Forget the conversation: the KV cache is cleared."""
+        self.ctx.clear()
+        self.history = []
+
+    # --- one turn ----------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], max_tokens: int = 256, sampling: Sampling | None = None,
+               add_special: bool = True) -> Iterator[str]:
+        """Yield text pieces; the Result is in self.last_result afterwards."""
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy("this Engine is already generating in another thread; use one Engine per thread")
+        try:
+            yield from self._turn(prompt, max_tokens, sampling or Sampling(), add_special)
+        finally:
+            self._lock.release()
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 256, sampling: Sampling | None = None,
+                 on_text: Callable[[str], None] | None = None, add_special: bool = True) -> Result:
+        """Run one turn on a fresh cache (the conversation is reset first) and return the Result."""
+        self.reset()
+        for piece in self.stream(prompt, max_tokens, sampling, add_special):
+            if on_text:
+                on_text(piece)
+        return self.last_result
+
+    def _tokens(self, prompt: str | list[int], add_special: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty")
+            toks = self.model.tokenize(prompt, add_special=add_special and not self.history)
+        else:
+            toks = [int(t) for t in prompt]
+            if not toks:
+                raise ValueError("the prompt is empty")
+            bad = [t for t in toks if not 0 <= t < self.model.n_vocab]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.model.n_vocab - 1})")
+        return toks
+
+    def _turn(self, prompt, max_tokens: int, sampling: Sampling, add_special: bool) -> Iterator[str]:
+        sampling.validate()
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        toks = self._tokens(prompt, add_special)
+        ctx = self.ctx
+        used = self.cells_used()
+        if used + len(toks) + 1 > ctx.n_ctx:
+            raise ContextFull(used, len(toks) + 1, ctx.n_ctx)
+
+        dec = self._prefill_and_gate(toks)
+        self.last_decision = dec
+
+        # generation
+        sampler = _make_sampler(sampling, self.model)
+        out: list[int] = []
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        finish = "length"
+        t0 = time.perf_counter()
+        try:
+            for _ in range(max_tokens):
+                tok = int(native_sample(sampler, ctx))
+                if self.model.is_eog(tok):
+                    finish = "stop"
+                    break
+                out.append(tok)
+                piece = decoder.decode(self.model.token_to_piece(tok))
+                if piece:
+                    yield piece
+                if self.cells_used() + 1 > ctx.n_ctx:
+                    finish = "context"
+                    break
+                ctx.decode([tok], ctx.seq_pos_max(0) + 1, 0)
+                self.history.append(tok)
+            tail = decoder.decode(b"", final=True)
+            if tail:
+                yield tail
+        finally:
+            sampler.close()
+            gen_s = time.perf_counter() - t0
+            self.last_result = Result(self.model.detokenize(out), out, dec, finish, len(toks), gen_s)
+
+    def _prefill_and_gate(self, toks: list[int]) -> Decision:
+        ctx, page = self.ctx, self.ctx.page
+        pos0 = ctx.seq_pos_max(0) + 1
+        n = len(toks)
+        w = min(W, n)
+        needs = self._evictor.needs
+        t0 = time.perf_counter()
+        prefill_attn = self._prefill(toks[: n - w], pos0, track="prefill_attention" in needs)
+        page.arm_probe(0, TOP_K)
+        ctx.decode(toks[n - w :], pos0 + n - w, 0)
+        self.history.extend(toks)
+        t1 = time.perf_counter()
+        probe = page.read_probe()
+        t2 = time.perf_counter()
+        held = page.positions(0)
+        T = int(held.size)
+        B = resolve_budget(self.budget, T, W, N_SINK)
+        D, agreement = None, []
+        if probe.n_head >= 2:
+            from .signal import compute_signal
+
+            sig = compute_signal(probe)
+            D, agreement = float(sig.D), [float(a) for a in sig.agreement]
+        g = self.gate.decide(D) if (D is not None or self.gate.mode != "page") else None
+        t3 = time.perf_counter()
+        is_open = bool(g.open) if g else False
+        evicted = False
+        if is_open and T > B:
+            last_pos, last_tok = pos0 + n - 1, toks[-1]
+            last_query = None
+            if "last_query" in needs:
+                ctx.seq_rm(0, last_pos, last_pos + 1)
+                page.arm_probe(0, TOP_K)
+                ctx.decode([last_tok], last_pos, 0)
+                last_query = page.read_probe()
+            inp = EvictionInput(held=held, budget=B, window=probe.queries, n_sink=N_SINK, probe=probe,
+                                last_query=last_query,
+                                prefill_attention=_align(prefill_attn, probe, held) if prefill_attn is not None else None,
+                                seed=self.seed)
+            keep = self._evictor.select(inp)
+            page.evict(0, np.setdiff1d(held, keep, assume_unique=True))
+            # the first sampled token must already see the compressed cache
+            ctx.seq_rm(0, last_pos, last_pos + 1)
+            ctx.decode([last_tok], last_pos, 0)
+            evicted = True
+        t4 = time.perf_counter()
+        kept = self.cells_used()
+        return Decision(
+            T=T, B=B, D=D, z=g.z if g else None, open=is_open, evicted=evicted, kept=kept,
+            compression=T / kept if kept else 1.0, gate_mode=self.gate.mode,
+            rule=g.rule if g else "none", reason=g.reason if g else "the probe saw fewer than 2 heads; keeping the full cache",
+            evictor=self._evictor.name, prefill_ms=(t1 - t0) * 1e3, probe_ms=(t2 - t1) * 1e3,
+            gate_ms=(t3 - t2) * 1e3, evict_ms=(t4 - t3) * 1e3, agreement=agreement)
+
+    def _prefill(self, toks: list[int], pos0: int, track: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """Decode toks; with track, arm the probe on every ubatch-sized chunk and sum its column mass
+        (H2O's accumulated attention). Returns (positions, f32 (n_layer, n_pos) sums) or None."""
+        if not toks:
+            return None
+        if not track:
+            self.ctx.decode(toks, pos0, 0, logits="none")
+            return None
+        acc: dict[int, np.ndarray] = {}
+        step = self.ctx.n_ubatch
+        for s in range(0, len(toks), step):
+            chunk = toks[s : s + step]
+            self.ctx.page.arm_probe(0, 1)
+            self.ctx.decode(chunk, pos0 + s, 0, logits="none")
+            r = self.ctx.page.read_probe()
+            mass = r.mean * r.n_query  # f32 (n_layer, n_pos): summed over this chunk's queries
+            for i, p in enumerate(r.positions.tolist()):
+                acc[p] = acc.get(p, 0) + mass[:, i]
+        pos = np.array(sorted(acc), dtype=np.int32)
+        return pos, np.stack([acc[p] for p in pos.tolist()], axis=1).astype(np.float32)
+
+    # --- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.close()
+            self.ctx = None
+        if getattr(self, "model", None) is not None:
+            self.model.close()
+            self.model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _align(prefill: tuple[np.ndarray, np.ndarray], probe: ProbeResult, held: np.ndarray) -> np.ndarray:
+    """H2O scores aligned with `held`: prefill column sums plus the window's own (probe) mass."""
+    pos, sums = prefill
+    out = np.zeros((sums.shape[0], held.size), dtype=np.float32)
+    idx = np.searchsorted(held, pos)
+    ok = (idx < held.size) & (held[np.minimum(idx, held.size - 1)] == pos)
+    out[:, idx[ok]] += sums[:, ok]
+    j = np.searchsorted(held, probe.positions)
+    okp = (j < held.size) & (held[np.minimum(j, held.size - 1)] == probe.positions)
+    out[:, j[okp]] += probe.mean[:, okp] * probe.n_query
+    return out
+
+
+def _make_sampler(s: Sampling, model: Model):
+    from llama_cpp import _internals
+
+    smp = _internals.LlamaSampler()
+    if s.temperature <= 0:
+        smp.add_greedy()
+    else:
+        if s.top_k > 0:
+            smp.add_top_k(s.top_k)
+        smp.add_top_p(s.top_p, 1)
+        smp.add_temp(s.temperature)
+        smp.add_dist(s.seed)
+    return smp
+
+
+def native_sample(sampler, ctx: Context) -> int:
+    """Sample from the logits of the last decoded token."""
+    from llama_cpp import llama_cpp as lc
+
+    return lc.llama_sampler_sample(sampler.sampler, ctx.ptr, -1)
