@@ -167,6 +167,7 @@ def write_tiny_llama(
     rope_theta_swa: float = 10000.0,
     rms_eps: float = 1e-5,
     qk_std: float = 1.4,
+    attn_out_scale: float = 1.0,
 ) -> TinyWeights:
     """Write a random all-F32 GGUF and return the weights (float64 copies of what was written).
 
@@ -217,7 +218,7 @@ def write_tiny_llama(
             wq=mat(n_q, n_embd, wqk_std),
             wk=mat(n_kv, n_embd, wqk_std),
             wv=mat(n_kv, n_embd, 1.0 / math.sqrt(n_embd)),
-            wo=mat(n_embd, n_q, 0.5 / math.sqrt(n_q)),
+            wo=mat(n_embd, n_q, 0.5 * attn_out_scale / math.sqrt(n_q)),
             ffn_norm=norm_w(n_embd),
             w_gate=mat(n_ff, n_embd, 1.0 / math.sqrt(n_embd)),
             w_up=mat(n_ff, n_embd, 1.0 / math.sqrt(n_embd)),
@@ -226,7 +227,7 @@ def write_tiny_llama(
         if arch == "gemma3":
             lw.q_norm = norm_w(d_head, center=qk_std, spread=0.1)
             lw.k_norm = norm_w(d_head, center=qk_std, spread=0.1)
-            lw.attn_post_norm = norm_w(n_embd, center=0.7)
+            lw.attn_post_norm = norm_w(n_embd, center=0.7) * attn_out_scale
             lw.ffn_post_norm = norm_w(n_embd, center=0.7)
         layers.append(lw)
     output_norm = norm_w(n_embd)

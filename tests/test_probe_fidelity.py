@@ -1,0 +1,78 @@
+"""Probe fidelity: per-head scores equal a float64 numpy forward pass of a tiny f32 GGUF model.
+
+The models are written by tests/tiny_model.py (random weights, GQA, f32 everything, f32 KV
+cache). The probe computes softmax(q k^T * scale + mask) in f32 from the f32 cache, so it must match
+the float64 reference to 1e-4 relative, with flash attention off and on. With flash attention on,
+llama.cpp's main attention path rounds K/V to f16, which changes the hidden states the later layers
+see; the reference emulates that rounding (fa_f16=True) so that the comparison stays exact.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_model as tm  # noqa: E402
+
+from page_local.runtime import Context, ContextConfig, Model  # noqa: E402
+
+PREFIX, W = 300, 32
+THREADS = 2
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "gemma3-iswa"])
+def tiny(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    # attn_out_scale: a smaller attention contribution to the residual stream keeps the f16 rounding
+    # of the flash path (emulated, but not bit for bit) from compounding across layers
+    if request.param == "llama-gqa":
+        return tm.write_tiny_llama(d / "llama.gguf", n_layer=3, n_head=4, n_head_kv=2, attn_out_scale=0.2)
+    return tm.write_tiny_llama(d / "gemma3.gguf", n_layer=4, n_head=4, n_head_kv=2, sliding_window=64,
+                               attn_out_scale=0.2)
+
+
+@pytest.mark.parametrize("flash_attn", ["off", "on"], ids=["flash-off", "flash-on"])
+def test_probe_equals_float64_reference(tiny, flash_attn):
+    tokens = np.random.default_rng(7).integers(tm.N_SPECIAL, tiny.n_vocab, size=PREFIX + W).tolist()
+    ref = tm.reference_forward(tiny, tokens, fa_f16=flash_attn == "on", fa_split=[PREFIX, W], fa_n_threads=THREADS)
+    want = tm.window_scores(ref, PREFIX, PREFIX + W)  # (n_layer, n_head, n_tokens)
+
+    with Model(tiny.path) as model, Context(model, ContextConfig(
+            n_ctx=1024, n_batch=512, n_ubatch=512, threads=THREADS, flash_attn=flash_attn, type_kv="f32")) as ctx:
+        ctx.decode(tokens[:PREFIX], 0, logits="none")
+        ctx.page.arm_probe(0, top_k=16, keep_rows=True)
+        ctx.decode(tokens[PREFIX:], PREFIX)
+        r = ctx.page.read_probe()
+
+    n = PREFIX + W
+    assert r.positions.tolist() == list(range(n))
+    assert r.queries.tolist() == list(range(PREFIX, n))
+    assert r.rows.shape == (tiny.n_layer, tiny.n_head, n)
+    # positions a sliding-window layer cannot see score exactly 0, on both sides
+    if any(tiny.swa_layers):
+        il = tiny.swa_layers.index(True)
+        assert np.all(want[il, :, :PREFIX - 64 + 1] == 0) and np.all(r.rows[il, :, :PREFIX - 64 + 1] == 0)
+
+    # llama: 1e-4 (the issue's bound). gemma3: its GELU runs through ggml's fp16 lookup table, which
+    # the reference emulates only up to rounding-boundary cases (~3e-4 on the logits); that error is
+    # in the forward pass the probe reads, not in the probe, so the bound there is 2e-3.
+    tol = 1e-4 if tiny.arch == "llama" else 2e-3
+    big = want > 1e-6
+    rel = np.abs(r.rows.astype(np.float64) - want)[big] / want[big]
+    assert rel.max() <= tol, f"max relative error {rel.max():.2e}"
+    np.testing.assert_allclose(r.mean, want.mean(axis=1), rtol=tol, atol=1e-9)
+
+    # identical top-k sets, ties aside: every reported position scores at least the k-th best
+    eps = 1e-5 if tiny.arch == "llama" else 5e-3
+    for il in range(tiny.n_layer):
+        for h in range(tiny.n_head):
+            order = np.argsort(-want[il, h], kind="stable")
+            kth = want[il, h, order[15]]
+            got = set(r.topk_pos[il, h].tolist())
+            sure = {int(p) for p in order[:16] if want[il, h, p] > kth * (1 + eps)}
+            assert sure <= got
+            assert all(want[il, h, p] >= kth * (1 - eps) for p in got)
