@@ -98,7 +98,15 @@ class Model:
         return self._m.detokenize(list(tokens)).decode("utf-8", "replace")
 
     def token_to_piece(self, token: int) -> bytes:
-        return self._m.token_to_piece(int(token), special=False)
+        """The bytes of one token (possibly part of a UTF-8 character)."""
+        lc = native.llama_cpp()
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_token_to_piece(self.vocab, int(token), buf, size, 0, False)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
 
     def is_eog(self, token: int) -> bool:
         return bool(native.llama_cpp().llama_vocab_is_eog(self.vocab, int(token)))

@@ -1,0 +1,156 @@
+"""Multi-turn chat on an Engine: the model's own chat template (GGUF metadata, rendered by
+llama-cpp-python's Jinja2 chat formatter; no hand-written templates) and incremental prefill.
+
+Each turn renders the whole conversation, and only the text that is not in the KV cache yet is
+tokenized and decoded; the PAGE gate runs after each user turn's prefill (Engine._prefill_and_gate),
+so eviction never touches the sinks or the current turn's window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .engine import Engine, Result, Sampling
+
+SAVE_FORMAT = "page-local-chat"
+
+
+class ChatFileError(ValueError):
+    """A conversation file that cannot be loaded (missing, corrupt, wrong format)."""
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+
+
+class ChatSession:
+    def __init__(self, engine: Engine, system: str | None = None):
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        self.engine = engine
+        meta = engine.model.metadata()
+        template = meta.get("tokenizer.chat_template")
+        if not template:
+            raise ValueError(f"{engine.model.path.name} has no chat template in its GGUF metadata; use `page-local run`")
+        lm = engine.model.llama_model
+        self._fmt = Jinja2ChatFormatter(template=template, eos_token=lm.token_get_text(lm.token_eos()),
+                                        bos_token=lm.token_get_text(lm.token_bos()))
+        self.system = system
+        self.messages: list[Message] = []
+        self._text = ""  # the exact text that is in the KV cache, in order
+        self.last_result: Result | None = None
+        self.engine.reset()
+
+    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": m.role, "content": m.content} for m in messages]
+        self._fmt.add_generation_prompt = generation_prompt
+        text = self._fmt(messages=msgs).prompt
+        bos = self._fmt.bos_token
+        # llama.cpp adds BOS itself when the vocabulary asks for it
+        return text[len(bos):] if bos and text.startswith(bos) else text
+
+    def _delta(self, rendered: str) -> str:
+        if rendered.startswith(self._text):
+            return rendered[len(self._text):]
+        # The template re-rendered an earlier turn differently (e.g. it strips whitespace from the
+        # assistant's answer). The cache keeps what it has; only the differing tail is appended.
+        common = os.path.commonprefix([rendered, self._text])
+        return rendered[len(common):]
+
+    def send(self, text: str, max_tokens: int = 512, sampling: Sampling | None = None) -> Iterator[str]:
+        """Stream the assistant's answer to `text`; the Result is in .last_result afterwards.
+
+        If the turn does not fit (ContextFull) nothing is changed: the conversation stays as it was.
+        If the generation is interrupted (KeyboardInterrupt), the partial answer is kept as the
+        assistant's message, so the cache and the conversation agree.
+        """
+        if not text.strip():
+            raise ValueError("the message is empty")
+        rendered = self._render(self.messages + [Message("user", text)], generation_prompt=True)
+        delta = self._delta(rendered)
+        pieces: list[str] = []
+        decoded_before = len(self.engine.history)
+        try:
+            for piece in self.engine.stream(delta, max_tokens=max_tokens, sampling=sampling):
+                pieces.append(piece)
+                yield piece
+        finally:
+            if len(self.engine.history) > decoded_before:  # the prompt reached the cache: record the turn
+                answer = "".join(pieces)
+                self.messages += [Message("user", text), Message("assistant", answer)]
+                self._text = rendered + answer
+                self.last_result = getattr(self.engine, "last_result", None)
+
+    def clear(self) -> None:
+        self.messages = []
+        self._text = ""
+        self.engine.reset()
+
+    def set_system(self, system: str | None) -> None:
+        """Change the system prompt; the conversation is re-prefilled with it."""
+        self.system = system or None
+        self.replay(self.messages)
+
+    def replay(self, messages: list[Message]) -> None:
+        """Reset and prefill `messages` (gate and eviction run as for a live turn)."""
+        self.engine.reset()
+        self.messages, self._text = [], ""
+        if not messages:
+            return
+        text = self._render(messages, generation_prompt=False)
+        toks = self.engine.model.tokenize(text, add_special=True)
+        self.engine.last_decision = self.engine._prefill_and_gate(toks)
+        self.messages, self._text = list(messages), text
+
+    # --- persistence -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, settings: dict | None = None) -> Path:
+        """Write the conversation and settings as JSON, atomically (temp file + rename)."""
+        path = Path(path).expanduser()
+        data = {"format": SAVE_FORMAT, "version": 1, "system": self.system,
+                "messages": [m.__dict__ for m in self.messages], "settings": settings or {}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @staticmethod
+    def read(path: str | os.PathLike) -> dict:
+        """Parse and validate a saved conversation (ChatFileError says what is wrong)."""
+        path = Path(path).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise ChatFileError(f"no such conversation file: {path}") from e
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ChatFileError(f"{path} is not a page-local conversation file ({e})") from e
+        if not isinstance(data, dict) or data.get("format") != SAVE_FORMAT:
+            raise ChatFileError(f"{path} is not a page-local conversation file (format field missing)")
+        msgs = data.get("messages")
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
+                and isinstance(m.get("content"), str) for m in msgs):
+            raise ChatFileError(f"{path}: 'messages' must be a list of {{role, content}} objects")
+        if data.get("system") is not None and not isinstance(data["system"], str):
+            raise ChatFileError(f"{path}: 'system' must be a string")
+        return data
+
+    def load(self, path: str | os.PathLike) -> dict:
+        """Load a saved conversation and re-prefill it. Returns its settings."""
+        data = self.read(path)
+        self.system = data.get("system")
+        self.replay([Message(m["role"], m["content"]) for m in data["messages"]])
+        return data.get("settings") or {}
