@@ -41,6 +41,7 @@ int32_t llama_page_probe_get_topk     (const struct llama_context * ctx, llama_p
 int32_t llama_page_probe_get_rows     (const struct llama_context * ctx, float     * rows,      int64_t n);
 int32_t llama_page_evict(struct llama_context * ctx, llama_seq_id seq_id, const llama_pos * positions, int32_t n);
 int32_t llama_page_seq_positions(const struct llama_context * ctx, llama_seq_id seq_id, llama_pos * out, int32_t n);
+int32_t llama_page_key_norms(const struct llama_context * ctx, llama_seq_id seq_id, float * out, int64_t n);
 int32_t llama_page_compact(struct llama_context * ctx, llama_seq_id seq_id);
 const char * llama_page_last_error(void);
 """

@@ -124,6 +124,13 @@ class PageOps:
         arr = np.ascontiguousarray(arr, dtype=np.int32)
         self._check(self._lib.llama_page_evict(self._ctx, int(seq_id), _ptr(self._ffi, "llama_pos *", arr), arr.size))
 
+    def key_norms(self, seq_id: int, n_layer: int, n_head_kv: int) -> np.ndarray:
+        """f32 (n_layer, n_head_kv, n_pos): L2 norms of the cached keys, columns = positions(seq_id)."""
+        n_pos = self._check(self._lib.llama_page_seq_positions(self._ctx, int(seq_id), self._ffi.NULL, 0))
+        out = np.empty((n_layer, n_head_kv, n_pos), dtype=np.float32)
+        self._check(self._lib.llama_page_key_norms(self._ctx, int(seq_id), _ptr(self._ffi, "float *", out), out.size))
+        return out
+
     def compact(self, seq_id: int) -> None:
         """Move seq_id's cells down so the attended range shrinks; outputs are unchanged."""
         self._check(self._lib.llama_page_compact(self._ctx, int(seq_id)))

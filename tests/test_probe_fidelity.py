@@ -76,3 +76,19 @@ def test_probe_equals_float64_reference(tiny, flash_attn):
             sure = {int(p) for p in order[:16] if want[il, h, p] > kth * (1 + eps)}
             assert sure <= got
             assert all(want[il, h, p] >= kth * (1 - eps) for p in got)
+
+
+@pytest.mark.parametrize("type_kv", ["f32", "f16"])
+def test_key_norms_equal_reference(tiny, type_kv):
+    """llama_page_key_norms == ||k|| of the reference's post-RoPE keys, per layer and KV head."""
+    tokens = np.random.default_rng(8).integers(tm.N_SPECIAL, tiny.n_vocab, size=200).tolist()
+    ref = tm.reference_forward(tiny, tokens)
+    want = np.linalg.norm(ref.k, axis=-1).transpose(0, 2, 1)  # (n_layer, n_head_kv, n_tokens)
+    with Model(tiny.path) as model, Context(model, ContextConfig(
+            n_ctx=512, threads=THREADS, flash_attn="off", type_kv=type_kv)) as ctx:
+        ctx.decode(tokens, 0, logits="none")
+        ctx.page.evict(0, [10, 11, 50])
+        got = ctx.page.key_norms(0, tiny.n_layer, tiny.n_head_kv)
+        held = ctx.page.positions(0)
+    assert got.shape == (tiny.n_layer, tiny.n_head_kv, 197)
+    np.testing.assert_allclose(got, want[:, :, held], rtol=1e-4 if type_kv == "f32" else 2e-3)

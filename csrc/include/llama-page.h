@@ -83,6 +83,11 @@ LLAMA_API int32_t llama_page_evict(struct llama_context * ctx, llama_seq_id seq_
 // number of positions (which may exceed n: call again with a larger buffer), or a negative code.
 LLAMA_API int32_t llama_page_seq_positions(const struct llama_context * ctx, llama_seq_id seq_id, llama_pos * out, int32_t n);
 
+// L2 norm of every cached key of seq_id, per layer and KV head:
+//   out: f32 [n_layer, n_head_kv, n_pos], columns in the order of llama_page_seq_positions().
+// Positions that a sliding-window layer's cache no longer holds are 0 in that layer.
+LLAMA_API int32_t llama_page_key_norms(const struct llama_context * ctx, llama_seq_id seq_id, float * out, int64_t n);
+
 // Rewrite seq_id's cells so they occupy the lowest free cells (state save, remove, restore).
 // Positions, outputs and the cache contents of the sequence are unchanged; what shrinks is the
 // attended range n_kv when eviction left holes. A sequence that shared cells with another one
