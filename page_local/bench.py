@@ -49,3 +49,101 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
         "unarmed_runs": [round(t, 4) for t in times[False]],
         "armed_runs": [round(t, 4) for t in times[True]],
     }
+
+
+def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, new_tokens: int = 64,
+                   repeats: int = 3, threads: int = 2, seed: int = 0) -> dict:
+    """Greedy decode tok/s after one `tokens`-token prefill, with the full cache vs after the engine's
+    eviction (gate forced open, SnapKV) to `budget`; alternated runs, medians.
+
+    The prefill runs once (the probe armed on the last W positions, as in the engine); its sequence
+    state is saved and restored before every run, so each run starts from the same cache. The
+    evicted run then does what Engine does when the gate opens: select, evict, re-decode the last
+    prompt token. Also returns the gate decision latency: signal + gate on the real probe (median).
+    """
+    from .evictors import get_evictor
+    from .evictors.base import EvictionInput, resolve_budget
+    from .gate import Gate
+    from .signal import compute_signal
+
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= W:
+        raise ValueError(f"--tokens must be an int above the probe window ({W}), got {tokens!r}")
+    B = resolve_budget(budget, tokens, W, 4)
+    if B >= tokens:
+        raise ValueError(f"budget {budget!r} keeps all {tokens} tokens: nothing to evict")
+    for name, v in (("new_tokens", new_tokens), ("repeats", repeats), ("threads", threads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
+    prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens).tolist()
+    snapkv = get_evictor("snapkv")
+    gate = Gate("page")
+    n_ctx = tokens + new_tokens + 64
+    with Model(model_path) as model, Context(model, ContextConfig(n_ctx=n_ctx, threads=threads)) as ctx:
+        page = ctx.page
+        t0 = time.perf_counter()
+        ctx.decode(prompt[: tokens - W], 0, logits="none")
+        page.arm_probe(0, 32)
+        ctx.decode(prompt[tokens - W :], tokens - W)
+        probe = page.read_probe()
+        prefill_s = time.perf_counter() - t0
+        first = int(np.argmax(ctx.logits()))
+
+        gate_ms = []
+        for _ in range(max(11, repeats)):
+            g0 = time.perf_counter()
+            gate.decide(compute_signal(probe).D)
+            gate_ms.append((time.perf_counter() - g0) * 1e3)
+
+        s0 = time.perf_counter()
+        state = ctx.seq_state(0)
+        save_ms = (time.perf_counter() - s0) * 1e3
+
+        def decode_run() -> float:
+            """tok/s of new_tokens greedy steps from the current cache (first token: the prefill's)."""
+            tok, pos = first, tokens
+            r0 = time.perf_counter()
+            for i in range(new_tokens):
+                ctx.decode([tok], pos + i, 0)
+                tok = int(np.argmax(ctx.logits()))
+            return new_tokens / (time.perf_counter() - r0)
+
+        runs: dict[bool, list[float]] = {False: [], True: []}
+        restore_ms, evict_ms, kept = [], [], tokens
+        for i in range(2 * repeats):
+            evicted = bool(i % 2)
+            ctx.clear()
+            r0 = time.perf_counter()
+            ctx.set_seq_state(state, 0)
+            restore_ms.append((time.perf_counter() - r0) * 1e3)
+            if evicted:
+                e0 = time.perf_counter()
+                held = page.positions(0)  # i32 (tokens,)
+                inp = EvictionInput(held=held, budget=B, window=probe.queries, n_sink=4, probe=probe, seed=seed)
+                keep = snapkv.select(inp)
+                page.evict(0, np.setdiff1d(held, keep, assume_unique=True))
+                ctx.seq_rm(0, tokens - 1, tokens)  # as the engine: the next token sees the compressed cache
+                ctx.decode([prompt[-1]], tokens - 1, 0)
+                evict_ms.append((time.perf_counter() - e0) * 1e3)
+                kept = ctx.cells_used(0)
+            runs[evicted].append(decode_run())
+    full, ev = statistics.median(runs[False]), statistics.median(runs[True])
+    return {
+        "bench": "decode",
+        "tokens": tokens,
+        "budget": budget,
+        "kept": kept,
+        "new_tokens": new_tokens,
+        "threads": threads,
+        "repeats": repeats,
+        "full_tok_s": round(full, 2),
+        "evicted_tok_s": round(ev, 2),
+        "speedup": round(ev / full, 4),
+        "gate_ms": round(statistics.median(gate_ms), 3),
+        "gate_target_ms": 2.0,
+        "prefill_s": round(prefill_s, 3),
+        "state_save_ms": round(save_ms, 2),
+        "state_restore_ms": round(statistics.median(restore_ms), 2),
+        "evict_ms": round(statistics.median(evict_ms), 2),
+        "full_runs": [round(t, 2) for t in runs[False]],
+        "evicted_runs": [round(t, 2) for t in runs[True]],
+    }

@@ -38,6 +38,9 @@ from .signal import drop
 W = 32
 TOP_K = 32
 N_SINK = 4
+# Signals _prefill_and_gate hands to evictors (evictors.base.NEEDS lists every known one). An evictor
+# needing anything else is refused when it is chosen, not mid-turn on the turns where the gate opens.
+PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms"})
 
 
 class ContextFull(RuntimeError):
@@ -47,8 +50,8 @@ class ContextFull(RuntimeError):
         self.used, self.needed, self.n_ctx, self.gate_open = used, needed, n_ctx, gate_open
         super().__init__(
             f"the context is full: {used} cells are in use and this turn needs {needed} more, "
-            f"but n_ctx is {n_ctx}. Nothing was dropped. Start a new conversation, use a larger n_ctx, "
-            "or let the evictor run (gate 'always') at your own risk."
+            f"but n_ctx is {n_ctx}. Nothing was dropped. Start a new conversation or use a larger n_ctx "
+            "(n_ctx is rounded up to a multiple of 256)."
         )
 
 
@@ -120,7 +123,7 @@ class Engine:
                  type_kv: str = "f16", seed: int = 0, n_seq_max: int = 1, evictor_options: dict | None = None):
         path = Path(model) if model is not None else models.default_model_path()
         self.set_budget(budget)
-        self._evictor = get_evictor(evictor, **(evictor_options or {}))
+        self._evictor = _supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate = gate_mod.Gate(gate)  # validates the mode before loading anything
         self.seed = seed
         self._lock = threading.Lock()
@@ -130,6 +133,11 @@ class Engine:
                                                          type_kv=type_kv, n_seq_max=n_seq_max))
         except Exception:
             self.model.close()
+            raise
+        try:
+            self.ctx.cells_used(0)  # UnsupportedModel now (no KV cache: encoder-only...), not on the first turn
+        except Exception:
+            self.close()
             raise
         self.model_id = gate_mod.model_identity(path)
         self.gate = gate_mod.Gate.for_model(self.model_id, gate)
@@ -143,7 +151,7 @@ class Engine:
         self.budget = budget
 
     def set_evictor(self, name: str, **options) -> None:
-        self._evictor = get_evictor(name, **options)
+        self._evictor = _supported(get_evictor(name, **options))
 
     def set_gate(self, mode: str) -> None:
         g = gate_mod.Gate(mode, self.gate.profile)
@@ -179,10 +187,17 @@ class Engine:
     def generate(self, prompt: str | list[int], max_tokens: int = 256, sampling: Sampling | None = None,
                  on_text: Callable[[str], None] | None = None, add_special: bool = True) -> Result:
         """Run one turn on a fresh cache (the conversation is reset first) and return the Result."""
-        self.reset()
-        for piece in self.stream(prompt, max_tokens, sampling, add_special):
-            if on_text:
-                on_text(piece)
+        # Take the lock before reset(): a second thread must get EngineBusy, not clear the cache under
+        # the turn that is running.
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy("this Engine is already generating in another thread; use one Engine per thread")
+        try:
+            self.reset()
+            for piece in self._turn(prompt, max_tokens, sampling or Sampling(), add_special):
+                if on_text:
+                    on_text(piece)
+        finally:
+            self._lock.release()
         return self.last_result
 
     def _tokens(self, prompt: str | list[int], add_special: bool) -> list[int]:
@@ -276,8 +291,11 @@ class Engine:
                 page.arm_probe(0, TOP_K)
                 ctx.decode([last_tok], last_pos, 0)
                 last_query = page.read_probe()
+            key_norms = None
+            if "key_norms" in needs:  # f32 (n_layer, n_head_kv, T), columns aligned with held
+                key_norms = page.key_norms(0, self.model.n_layer, self.model.n_head_kv)
             inp = EvictionInput(held=held, budget=B, window=probe.queries, n_sink=N_SINK, probe=probe,
-                                last_query=last_query,
+                                last_query=last_query, key_norms=key_norms,
                                 prefill_attention=_align(prefill_attn, probe, held) if prefill_attn is not None else None,
                                 seed=self.seed)
             keep = self._evictor.select(inp)
@@ -330,6 +348,16 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _supported(evictor):
+    """The evictor, if the engine can provide every signal it needs; else ValueError saying which."""
+    missing = sorted(evictor.needs - PROVIDED)
+    if missing:
+        what = ", ".join("key norms (key_norms)" if m == "key_norms" else m for m in missing)
+        raise ValueError(f"evictor {evictor.name!r} needs {what}, which the engine does not provide; "
+                         "choose another evictor")
+    return evictor
 
 
 def _align(prefill: tuple[np.ndarray, np.ndarray], probe: ProbeResult, held: np.ndarray) -> np.ndarray:

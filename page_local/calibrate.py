@@ -1,0 +1,86 @@
+"""Per-model calibration of the PAGE gate from an unlabeled pilot (PAGE's normalized_predictor):
+z = (D - mu) / sigma with mu, sigma over the pilot's drops; the gate opens iff z >= -0.6934.
+
+The pilot is either built in (a mix of generated long-context prompts: needles, multi-key, variable
+tracking, word frequency and plain prose at several lengths; no labels are used) or the user's own
+prompts, one per line of a text file or a JSONL file with a "prompt" / "input" / "text" field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import gate as gate_mod
+from .eval.tasks import pilot_prompts
+
+DEFAULT_LENGTHS = (1024, 2048, 3072)
+
+
+@dataclass
+class Calibration:
+    model_id: str
+    n: int
+    mu: float
+    sigma: float
+    drops: list[float]
+    profile_path: Path
+
+    @property
+    def raw_threshold(self) -> float:
+        """The D at which the calibrated gate flips: mu + z_threshold * sigma."""
+        return self.mu + gate_mod.Z_THRESHOLD * self.sigma
+
+
+def read_pilot(path: str | Path) -> list[str]:
+    """Prompts from a text file (one per line) or JSONL ("prompt", "input" or "text" field)."""
+    p = Path(path).expanduser()
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"pilot file not found: {p}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read pilot file {p}: {e}") from None
+    prompts = []
+    jsonl = p.suffix in (".jsonl", ".json")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if jsonl:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+            text = next((row[k] for k in ("prompt", "input", "text") if isinstance(row, dict) and isinstance(row.get(k), str)), None)
+            if text is None:
+                raise ValueError(f"{p}:{i}: a JSONL pilot row needs a string field 'prompt', 'input' or 'text'")
+            prompts.append(text)
+        else:
+            prompts.append(line)
+    if len(prompts) < 2:
+        raise ValueError(f"{p} holds {len(prompts)} prompt(s); a pilot needs at least 2 (100 recommended)")
+    return prompts
+
+
+def builtin_pilot(engine, n: int, lengths=DEFAULT_LENGTHS, seed: int = 0) -> list[str]:
+    """n generated prompts sized with the model's own tokenizer (chat template applied by the caller)."""
+    lengths = [L for L in lengths if L + 128 <= engine.n_ctx] or [max(256, engine.n_ctx - 256)]
+    count = lambda text: len(engine.model.tokenize(text, add_special=False))  # noqa: E731
+    return [s.text() for s in pilot_prompts(n, lengths, count, seed)]
+
+
+def calibrate(engine, prompts: list[str], progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Measure D on every prompt, store the profile for the engine's model, return the numbers."""
+    drops = []
+    for i, prompt in enumerate(prompts):
+        d = engine.measure(prompt)
+        if d.D is not None and math.isfinite(d.D):
+            drops.append(float(d.D))
+        if progress:
+            progress(i + 1, len(prompts))
+    mu, sigma = gate_mod.calibrate(drops)
+    path = gate_mod.save_profile(engine.model_id, mu, sigma, len(drops), gate_mod.describe_model(engine.model.path))
+    return Calibration(engine.model_id, len(drops), mu, sigma, drops, path)
