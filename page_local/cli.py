@@ -20,7 +20,7 @@ def _model_option(f):
 
 def _resolve_model(path):
     try:
-        return path or models.default_model_path()
+        return models.resolve(path)
     except models.ModelNotInstalled as e:
         raise click.ClickException(str(e)) from e
 
@@ -181,6 +181,14 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, as_json):
                    f"evicted to {res['kept']} {res['evicted_tok_s']:.1f} tok/s (median of {repeats}), "
                    f"speedup {res['speedup']:.3f}; gate decision {res['gate_ms']:.2f} ms")
 
+
+def _register() -> None:
+    from .repl import chat
+
+    main.add_command(chat)
+
+
+_register()
 
 if __name__ == "__main__":
     sys.exit(main())
