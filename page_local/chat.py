@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .engine import Engine, Result, Sampling
+from .engine import ContextFull, Engine, Result, Sampling
 
 SAVE_FORMAT = "page-local-chat"
 
@@ -101,13 +101,15 @@ class ChatSession:
 
     def replay(self, messages: list[Message]) -> None:
         """Reset and prefill `messages` (gate and eviction run as for a live turn)."""
+        text = self._render(messages, generation_prompt=False) if messages else ""
+        toks = self.engine.model.tokenize(text, add_special=True) if messages else []
+        if len(toks) + 1 > self.engine.n_ctx:  # checked before anything is dropped
+            raise ContextFull(0, len(toks) + 1, self.engine.n_ctx)
         self.engine.reset()
         self.messages, self._text = [], ""
         if not messages:
             return
-        text = self._render(messages, generation_prompt=False)
-        toks = self.engine.model.tokenize(text, add_special=True)
-        self.engine.last_decision = self.engine._prefill_and_gate(toks)
+        self.engine.last_decision, _ = self.engine._prefill_and_gate(toks)
         self.messages, self._text = list(messages), text
 
     # --- persistence -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 import click
 
 from . import models
+from .engine import GATE_MODES
 from .evictors import EVICTORS as _EVICTORS
 
 _EVICTOR_NAMES = list(_EVICTORS)
@@ -77,7 +78,7 @@ def main():
 @click.option("--budget", default="0.25", show_default=True, type=BudgetType(),
               help="Kept positions when the gate opens: a ratio (0.25) or a count (1024).")
 @click.option("--evictor", default="snapkv", show_default=True, type=click.Choice(sorted(_EVICTOR_NAMES)))
-@click.option("--gate", "gate", default="page", show_default=True, type=click.Choice(["page", "always", "never"]),
+@click.option("--gate", "gate", default="page", show_default=True, type=click.Choice(list(GATE_MODES)),
               help="page: evict when PAGE says it is safe; always / never: force it.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--n-ctx", default=4096, show_default=True, type=click.IntRange(min=1))

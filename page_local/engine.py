@@ -43,6 +43,22 @@ N_SINK = 4
 PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms"})
 
 
+# Self-verified eviction: the first m tokens are generated with the full cache, then teacher-forced on
+# the evicted candidate; eviction is committed iff the mean log-prob loss is <= delta. m = 16 and
+# delta = 0.05 nats/token come from DESIGN.md's Qwen2.5-0.5B pilot (the gate delta < 0.05 opened on
+# 37/38 unharmed and 3/26 harmed inputs).
+VERIFY_M = 16
+VERIFY_DELTA = 0.05
+GATE_MODES = ("page", "always", "never", "verify", "page+verify")
+_BASE_GATE = {"page": "page", "always": "always", "never": "never", "verify": "always", "page+verify": "page"}
+
+
+def _check_gate_mode(mode: str) -> str:
+    if mode not in GATE_MODES:
+        raise ValueError(f"gate mode must be one of {', '.join(GATE_MODES)}; got {mode!r}")
+    return mode
+
+
 class ContextFull(RuntimeError):
     """The turn does not fit in n_ctx and nothing may be dropped (the gate kept the full cache)."""
 
@@ -80,6 +96,13 @@ class Decision:
     gate_ms: float = 0.0  # signal + gate
     evict_ms: float = 0.0  # selection + eviction + re-decode of the last prompt token
     agreement: list[float] = field(default_factory=list)  # per-layer head agreement
+    # self-verified eviction (gate modes "verify" and "page+verify"); None when it did not run
+    verify_m: int | None = None  # tokens compared
+    verify_delta: float | None = None  # mean over them of log p_full - log p_evicted (nats/token)
+    verify_threshold: float | None = None  # delta <= threshold commits the eviction
+    verify_top1: float | None = None  # fraction of tokens the evicted cache also ranks first
+    verify_kl_first: float | None = None  # KL(p_full || p_evicted) of the first generated token
+    verify_ms: float | None = None  # the extra batch decode and the comparison
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,17 +143,19 @@ class Engine:
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096, budget: float | int = 0.25,
                  evictor: str = "snapkv", gate: str = "page", threads: int = 2, flash_attn: str = "auto",
-                 type_kv: str = "f16", seed: int = 0, n_seq_max: int = 1, evictor_options: dict | None = None):
+                 type_kv: str = "f16", seed: int = 0, evictor_options: dict | None = None,
+                 verify_tokens: int = VERIFY_M, verify_threshold: float = VERIFY_DELTA):
         path = Path(model) if model is not None else models.default_model_path()
+        self.set_verify(verify_tokens, verify_threshold)
         self.set_budget(budget)
         self._evictor = _supported(get_evictor(evictor, **(evictor_options or {})))
-        self.gate = gate_mod.Gate(gate)  # validates the mode before loading anything
+        self.gate_mode = _check_gate_mode(gate)  # validates the mode before loading anything
         self.seed = seed
         self._lock = threading.Lock()
         self.model = Model(path)
         try:
             self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, flash_attn=flash_attn,
-                                                         type_kv=type_kv, n_seq_max=n_seq_max))
+                                                         type_kv=type_kv, n_seq_max=2))
         except Exception:
             self.model.close()
             raise
@@ -140,7 +165,7 @@ class Engine:
             self.close()
             raise
         self.model_id = gate_mod.model_identity(path)
-        self.gate = gate_mod.Gate.for_model(self.model_id, gate)
+        self.gate = gate_mod.Gate.for_model(self.model_id, _BASE_GATE[gate])
         self.profile_warning = self.gate.warning
         self.history: list[int] = []  # tokens in seq 0, in order (evicted ones included)
         self.last_decision: Decision | None = None
@@ -154,8 +179,16 @@ class Engine:
         self._evictor = _supported(get_evictor(name, **options))
 
     def set_gate(self, mode: str) -> None:
-        g = gate_mod.Gate(mode, self.gate.profile)
-        self.gate = g
+        """page | always | never | verify | page+verify (see GATE_MODES)."""
+        self.gate_mode = _check_gate_mode(mode)
+        self.gate = gate_mod.Gate(_BASE_GATE[mode], self.gate.profile)
+
+    def set_verify(self, tokens: int, threshold: float) -> None:
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= 256:
+            raise ValueError(f"verify_tokens must be an int in [1, 256], got {tokens!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+            raise ValueError(f"verify_threshold must be a number >= 0 (nats per token), got {threshold!r}")
+        self.verify_tokens, self.verify_threshold = tokens, float(threshold)
 
     @property
     def evictor(self) -> str:
@@ -224,51 +257,140 @@ class Engine:
         if used + len(toks) + 1 > ctx.n_ctx:
             raise ContextFull(used, len(toks) + 1, ctx.n_ctx)
 
-        dec = self._prefill_and_gate(toks)
+        verify = self.gate_mode in ("verify", "page+verify")
+        dec, plan = self._prefill_and_gate(toks, apply=not verify)
         self.last_decision = dec
 
-        # generation
+        # generation: sample, decode, then yield, so that what the caller has seen is in the cache
         sampler = _make_sampler(sampling, self.model)
         out: list[int] = []
+        lp_full: list[np.ndarray] = []  # f32 (n_vocab,) log-probs of the full cache, while verifying
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         finish = "length"
         t0 = time.perf_counter()
         try:
             for _ in range(max_tokens):
+                if plan is not None:
+                    lp_full.append(_log_softmax(ctx.logits()))
                 tok = int(native_sample(sampler, ctx))
                 if self.model.is_eog(tok):
                     finish = "stop"
                     break
-                out.append(tok)
-                piece = decoder.decode(self.model.token_to_piece(tok))
-                if piece:
-                    yield piece
                 if self.cells_used() + 1 > ctx.n_ctx:
                     finish = "context"
                     break
                 ctx.decode([tok], ctx.seq_pos_max(0) + 1, 0)
                 self.history.append(tok)
+                out.append(tok)
+                if plan is not None and len(out) == self.verify_tokens:
+                    self._verify(dec, plan, out, lp_full)
+                    plan = None
+                piece = decoder.decode(self.model.token_to_piece(tok))
+                if piece:
+                    yield piece
+            if plan is not None and out:  # the answer ended before m tokens: verify on what there is
+                self._verify(dec, plan, out, lp_full[: len(out)])
+                plan = None
             tail = decoder.decode(b"", final=True)
             if tail:
                 yield tail
+        except (GeneratorExit, KeyboardInterrupt):
+            finish = "interrupted"
+            raise
         finally:
+            ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
             sampler.close()
             gen_s = time.perf_counter() - t0
             self.last_result = Result(self.model.detokenize(out), out, dec, finish, len(toks), gen_s)
 
-    def _prefill_and_gate(self, toks: list[int]) -> Decision:
+    def _verify(self, dec: Decision, plan: tuple, out: list[int], lp_full: list[np.ndarray]) -> None:
+        """Self-verified eviction: teacher-force the m generated tokens on an evicted copy of the
+        sequence (seq 1, sharing the prompt's cells) in one batch; commit it iff the mean log-prob
+        loss delta <= verify_threshold. Updates dec in place."""
+        ctx, page = self.ctx, self.ctx.page
+        keep, held, last_pos, last_tok = plan
+        m = len(out)
+        t0 = time.perf_counter()
+        dec.verify_threshold = self.verify_threshold
+        if self.cells_used() + m + 1 > ctx.n_ctx:
+            dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
+            return
+        ctx.seq_cp(0, 1, -1, last_pos)  # the prompt minus its last token, cells shared
+        prefix = held[held < last_pos]
+        page.evict(1, np.setdiff1d(prefix, keep, assume_unique=True))
+        ctx.decode([last_tok] + out, last_pos, 1, logits="all")
+        lp_ev = [_log_softmax(ctx.logits(i)) for i in range(m)]
+        y = np.asarray(out)
+        full = np.array([lp[t] for lp, t in zip(lp_full, y)], dtype=np.float64)
+        ev = np.array([lp[t] for lp, t in zip(lp_ev, y)], dtype=np.float64)
+        delta = float(np.mean(full - ev))
+        top1 = float(np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(lp_full, lp_ev)]))
+        p0 = np.exp(lp_full[0].astype(np.float64))
+        kl = float(np.sum(p0 * (lp_full[0].astype(np.float64) - lp_ev[0].astype(np.float64))))
+        commit = delta <= self.verify_threshold
+        if commit:  # the candidate already holds the m tokens: it becomes the sequence
+            ctx.seq_rm(0, -1, -1)
+            ctx.seq_cp(1, 0)
+            ctx.seq_rm(1, -1, -1)
+            # the last output of the batch above is the evicted cache's next-token distribution
+        else:
+            ctx.seq_rm(1, -1, -1)
+            p = ctx.seq_pos_max(0)  # restore seq 0's next-token logits
+            ctx.seq_rm(0, p, p + 1)
+            ctx.decode([out[-1]], p, 0)
+        dec.verify_m, dec.verify_delta, dec.verify_top1, dec.verify_kl_first = m, delta, top1, kl
+        dec.verify_ms = (time.perf_counter() - t0) * 1e3
+        dec.evicted = commit
+        dec.kept = self.cells_used() - m  # prompt positions held after the decision
+        dec.compression = dec.T / dec.kept if dec.kept else 1.0
+        cmp = "<=" if commit else ">"
+        dec.reason += (f"; self-verification over {m} tokens: delta = {delta:.4f} {cmp} {self.verify_threshold:g} "
+                       f"nats/token, " + ("eviction committed" if commit else "kept the full cache"))
+
+    def measure(self, prompt: str | list[int], add_special: bool = True) -> Decision:
+        """Prefill `prompt` on a fresh cache, probe and gate it, without evicting or generating
+        (for calibration and inspection). The probe result is in self.last_probe."""
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy("this Engine is already generating in another thread; use one Engine per thread")
+        try:
+            self.reset()
+            toks = self._tokens(prompt, add_special)
+            if len(toks) + 1 > self.ctx.n_ctx:
+                raise ContextFull(0, len(toks) + 1, self.ctx.n_ctx)
+            dec, _ = self._prefill_and_gate(toks, apply=False, select=False)
+            self.last_decision = dec
+            return dec
+        finally:
+            self._lock.release()
+
+    def _prefill_and_gate(self, toks: list[int], apply: bool = True, select: bool = True) -> tuple[Decision, tuple | None]:
+        """Prefill, probe, gate and (apply=True) evict. Returns the Decision and, when the gate
+        opened and T > B but apply=False, the eviction plan (keep, held, last_pos, last_tok)."""
         ctx, page = self.ctx, self.ctx.page
         pos0 = ctx.seq_pos_max(0) + 1
+        n_hist = len(self.history)
+        try:
+            return self._prefill_and_gate_impl(toks, pos0, apply, select)
+        except BaseException:
+            # an interrupted or failed prefill must not leave part of the turn in the cache
+            ctx.seq_rm(0, pos0, -1)
+            page.disarm_probe()
+            del self.history[n_hist:]
+            raise
+
+    def _prefill_and_gate_impl(self, toks, pos0, apply, select):
+        ctx, page = self.ctx, self.ctx.page
         n = len(toks)
         w = min(W, n)
         needs = self._evictor.needs
         t0 = time.perf_counter()
-        prefill_attn = self._prefill(toks[: n - w], pos0, track="prefill_attention" in needs)
+        prefill_attn = self._prefill(toks[: n - w], pos0, track=select and "prefill_attention" in needs)
         page.arm_probe(0, TOP_K)
         ctx.decode(toks[n - w :], pos0 + n - w, 0)
-        self.history.extend(toks)
         t1 = time.perf_counter()
         probe = page.read_probe()
+        self.last_probe = probe
+        self.history.extend(toks)
         t2 = time.perf_counter()
         held = page.positions(0)
         T = int(held.size)
@@ -283,7 +405,8 @@ class Engine:
         t3 = time.perf_counter()
         is_open = bool(g.open) if g else False
         evicted = False
-        if is_open and T > B:
+        plan = None
+        if is_open and T > B and select:
             last_pos, last_tok = pos0 + n - 1, toks[-1]
             last_query = None
             if "last_query" in needs:
@@ -299,19 +422,30 @@ class Engine:
                                 prefill_attention=_align(prefill_attn, probe, held) if prefill_attn is not None else None,
                                 seed=self.seed)
             keep = self._evictor.select(inp)
-            page.evict(0, np.setdiff1d(held, keep, assume_unique=True))
-            # the first sampled token must already see the compressed cache
-            ctx.seq_rm(0, last_pos, last_pos + 1)
-            ctx.decode([last_tok], last_pos, 0)
-            evicted = True
+            if apply:
+                page.evict(0, np.setdiff1d(held, keep, assume_unique=True))
+                # the first sampled token must already see the compressed cache
+                ctx.seq_rm(0, last_pos, last_pos + 1)
+                ctx.decode([last_tok], last_pos, 0)
+                evicted = True
+            else:
+                plan = (keep, held, last_pos, last_tok)
         t4 = time.perf_counter()
+        reason = g.reason if g else "the probe saw fewer than 2 heads; keeping the full cache"
+        verify = {}
+        if self.gate_mode in ("verify", "page+verify"):
+            if self.gate_mode == "verify":
+                reason = "gate mode 'verify': the evicted cache is checked on the answer's first tokens"
+            if is_open and T <= B:  # nothing to evict: the candidate is the full cache itself
+                verify = dict(verify_m=0, verify_delta=0.0, verify_threshold=self.verify_threshold)
+                reason += f"; T = {T} <= B = {B}: nothing to evict"
         kept = self.cells_used()
         return Decision(
             T=T, B=B, D=D, z=g.z if g else None, open=is_open, evicted=evicted, kept=kept,
-            compression=T / kept if kept else 1.0, gate_mode=self.gate.mode,
-            rule=g.rule if g else "none", reason=g.reason if g else "the probe saw fewer than 2 heads; keeping the full cache",
+            compression=T / kept if kept else 1.0, gate_mode=self.gate_mode,
+            rule=g.rule if g else "none", reason=reason,
             evictor=self._evictor.name, prefill_ms=(t1 - t0) * 1e3, probe_ms=(t2 - t1) * 1e3,
-            gate_ms=(t3 - t2) * 1e3, evict_ms=(t4 - t3) * 1e3, agreement=agreement)
+            gate_ms=(t3 - t2) * 1e3, evict_ms=(t4 - t3) * 1e3, agreement=agreement, **verify), plan
 
     def _prefill(self, toks: list[int], pos0: int, track: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """Decode toks; with track, arm the probe on every ubatch-sized chunk and sum its column mass
@@ -371,6 +505,12 @@ def _align(prefill: tuple[np.ndarray, np.ndarray], probe: ProbeResult, held: np.
     okp = (j < held.size) & (held[np.minimum(j, held.size - 1)] == probe.positions)
     out[:, j[okp]] += probe.mean[:, okp] * probe.n_query
     return out
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max()
+    return (x - np.log(np.exp(x).sum())).astype(np.float32)
 
 
 def _make_sampler(s: Sampling, model: Model):

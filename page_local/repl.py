@@ -28,7 +28,8 @@ from . import models
 from .chat import ChatFileError, ChatSession
 from .engine import ContextFull, Engine, Sampling
 from .evictors import EVICTORS, resolve_budget
-from .gate import MODES, page_local_home
+from .engine import GATE_MODES as MODES
+from .gate import page_local_home
 from .native import PageError
 from .runtime import DecodeError, ModelError
 
@@ -193,7 +194,7 @@ class Repl:
             tip = "The message alone is longer than the context: shorten it, or restart with a larger --n-ctx"
         else:
             tip = "What you can do: /clear to start a new conversation, or restart with a larger --n-ctx"
-            if self.engine.gate.mode != "always":
+            if self.engine.gate_mode != "always":
                 tip += (f", or '/set gate always' so that the evictor compresses every turn, at your own risk: "
                         "the gate keeps the full cache when eviction looks unsafe")
         self.console.print(f"{tip} (now {e.n_ctx}).", highlight=False)
@@ -216,7 +217,7 @@ class Repl:
     def settings(self) -> dict:
         """The settings that /save writes and /load restores."""
         e = self.engine
-        return {"budget": e.budget, "evictor": e.evictor, "gate": e.gate.mode,
+        return {"budget": e.budget, "evictor": e.evictor, "gate": e.gate_mode,
                 "temperature": self.sampling.temperature, "max_tokens": self.max_tokens}
 
     def _settings_line(self) -> str:
@@ -283,14 +284,16 @@ class Repl:
         t.add_column("field", style="bold")
         t.add_column("value", overflow="fold")
         for k, v in d.to_dict().items():
+            if k.startswith("verify_") and d.verify_m is None:
+                continue  # self-verification did not run on this turn
             if k == "agreement":
                 v = " ".join(f"{a:.2f}" for a in v) or "-"
+            elif v is None:
+                v = "-"
             elif k.endswith("_ms"):
                 v = f"{v:.2f}"
             elif isinstance(v, float):
                 v = f"{v:.4f}"
-            elif v is None:
-                v = "-"
             t.add_row(k, str(v))
         if r is not None and r.decision is d:  # after /load or /system the decision is the replay's
             for k, v in (("prompt_tokens", r.prompt_tokens), ("generated", f"{len(r.tokens)} ({r.finish_reason})"),
@@ -319,6 +322,13 @@ class Repl:
                "smaller); the answer was generated from the compressed cache." if d.evicted else
                f"Nothing was evicted: the {d.T} positions fit within the budget of {d.B}." if d.open else
                f"All {d.T} positions were kept; nothing was dropped.")
+        if d.verify_m:  # self-verification had the last word
+            what = (f"self-verification decided: the first {d.verify_m} tokens of the answer were generated with "
+                    f"the full cache, then re-scored on the evicted cache in one batch; they lost "
+                    f"{d.verify_delta:.3f} nats/token (threshold {d.verify_threshold:g}), so "
+                    + ("the eviction was committed." if d.evicted else "the full cache was kept."))
+            act = (f"{d.kept} of {d.T} prompt positions are held now." if d.evicted else
+                   f"All {d.T} positions were kept; nothing was dropped.")
         self.console.print(Text(f"Decision: {d.reason}.\nIn plain words: {what} {act}"))
         self.console.print(Text(
             "D is the mean head agreement of the first third of the layers minus that of the last third "

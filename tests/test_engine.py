@@ -62,12 +62,13 @@ def needle_prompt(n_rep: int, key: str = "sapphire", value: str = "7481920", at:
 def stream_capturing_keep(eng: Engine, prompt, max_tokens: int):
     """Run one turn with stream(); return (Result, positions held when the first piece arrived).
 
-    The first piece is yielded after the first token is sampled and before it is decoded, so the
-    cache then holds exactly what the turn's eviction kept."""
+    A piece is yielded after its token is decoded (what the caller saw is in the cache), so at the
+    first piece the cache holds what the turn's eviction kept plus the first generated position."""
     keep = None
     for _piece in eng.stream(prompt, max_tokens=max_tokens):
         if keep is None:
-            keep = eng.ctx.page.positions(0).copy()
+            held = eng.ctx.page.positions(0)
+            keep = held[:-1].copy()  # drop the first generated token's position
     return eng.last_result, keep
 
 
@@ -239,7 +240,7 @@ def test_bad_budget_on_a_live_engine(closed_engine):
 def test_unknown_evictor_and_gate(smollm2_path, closed_engine):
     with pytest.raises(ValueError, match="unknown evictor 'snapky'; valid names: .*snapkv"):
         Engine(smollm2_path, evictor="snapky")
-    with pytest.raises(ValueError, match="gate mode must be one of page, always, never; got 'sometimes'"):
+    with pytest.raises(ValueError, match="gate mode must be one of page, always, never, verify, page\+verify; got 'sometimes'"):
         Engine(smollm2_path, gate="sometimes")
     with pytest.raises(ValueError, match="unknown evictor"):
         closed_engine.set_evictor("nope")

@@ -1,0 +1,87 @@
+"""Self-verified eviction (gate modes "verify" and "page+verify") on SmolLM2: the first m tokens are
+generated with the full cache, teacher-forced on an evicted copy, and the eviction is committed iff
+the mean log-prob loss delta <= threshold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from page_local.engine import Engine
+
+THREADS = 1
+HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+NEEDLE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it.\n"
+          + HAY * 25 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 25
+          + "What is the special magic number for cold-ocean mentioned in the provided text? "
+            "The special magic number for cold-ocean mentioned in the provided text is")
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    with Engine(smollm2_path, n_ctx=2048, threads=THREADS, gate="never") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def full_run(engine):
+    engine.set_gate("never")
+    engine.set_budget(0.25)
+    r = engine.generate(NEEDLE, max_tokens=20)
+    return r.tokens, engine.ctx.page.positions(0)
+
+
+def test_budget_one_is_exactly_the_full_cache(engine, full_run):
+    engine.set_gate("verify")
+    engine.set_budget(1.0)
+    r = engine.generate(NEEDLE, max_tokens=20)
+    d = r.decision
+    assert d.verify_delta == 0.0 and not d.evicted and d.kept == d.T
+    assert r.tokens == full_run[0]
+    np.testing.assert_array_equal(engine.ctx.page.positions(0), full_run[1])
+
+
+def test_tiny_budget_on_a_needle_is_rejected_and_keeps_the_full_cache(engine, full_run):
+    engine.set_gate("verify")
+    engine.set_budget(40)  # sinks + window + 4: the needle cannot survive
+    engine.set_verify(8, 0.05)
+    r = engine.generate(NEEDLE, max_tokens=20)
+    d = r.decision
+    assert d.verify_m == 8 and d.verify_delta > d.verify_threshold
+    assert not d.evicted and d.kept == d.T
+    assert "kept the full cache" in d.reason
+    # nothing of the candidate is left: the cache is the full one, tokens are the full run's
+    assert r.tokens == full_run[0]
+    np.testing.assert_array_equal(engine.ctx.page.positions(0), full_run[1])
+    assert len(engine.ctx.page.positions(1)) == 0
+
+
+def test_committed_eviction_streams_the_full_cache_tokens_first(engine, full_run):
+    engine.set_gate("verify")
+    engine.set_budget(0.5)
+    engine.set_verify(4, 10.0)  # a permissive threshold: commit whatever delta is
+    r = engine.generate(NEEDLE, max_tokens=20)
+    d = r.decision
+    assert d.evicted and d.verify_m == 4 and d.kept == d.B
+    assert np.isfinite(d.verify_delta) and 0.0 <= d.verify_top1 <= 1.0 and d.verify_kl_first >= -1e-6
+    assert r.tokens[:4] == full_run[0][:4]  # the m streamed tokens come from the full cache
+    held = engine.ctx.page.positions(0)
+    assert len(held) == d.B + len(r.tokens)  # the keep set plus the generated tokens
+    assert d.verify_ms < d.prefill_ms  # one extra batch decode of m tokens
+
+
+def test_page_plus_verify_runs_verification_only_where_the_gate_opens(engine):
+    engine.set_gate("page+verify")
+    engine.set_budget(0.25)
+    engine.set_verify(4, 0.05)
+    r = engine.generate(NEEDLE, max_tokens=8)
+    d = r.decision
+    assert (d.verify_m is not None) == (d.open and d.T > d.B)
+
+
+def test_bad_verify_settings(engine):
+    for m, thr in ((0, 0.05), (1000, 0.05), (4, -1.0), (True, 0.05)):
+        with pytest.raises(ValueError):
+            engine.set_verify(m, thr)
+    with pytest.raises(ValueError, match="gate mode must be one of"):
+        engine.set_gate("sometimes")
