@@ -144,9 +144,10 @@ class Engine:
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096, budget: float | int = 0.25,
                  evictor: str = "snapkv", gate: str = "page", threads: int = 2, flash_attn: str = "auto",
                  type_kv: str = "f16", seed: int = 0, evictor_options: dict | None = None,
-                 verify_tokens: int = VERIFY_M, verify_threshold: float = VERIFY_DELTA):
+                 verify_tokens: int = VERIFY_M, verify_threshold: float = VERIFY_DELTA, compact: bool = True):
         path = Path(model) if model is not None else models.default_model_path()
         self.set_verify(verify_tokens, verify_threshold)
+        self.compact = bool(compact)
         self.set_budget(budget)
         self._evictor = _supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = _check_gate_mode(gate)  # validates the mode before loading anything
@@ -332,7 +333,13 @@ class Engine:
             ctx.seq_rm(0, -1, -1)
             ctx.seq_cp(1, 0)
             ctx.seq_rm(1, -1, -1)
-            # the last output of the batch above is the evicted cache's next-token distribution
+            # the last output of the batch above is the evicted cache's next-token distribution;
+            # compaction would rewrite the cells and lose it, so re-decode the newest token after it
+            if self.compact:
+                p = ctx.seq_pos_max(0)
+                ctx.seq_rm(0, p, p + 1)
+                self._compact()
+                ctx.decode([out[-1]], p, 0)
         else:
             ctx.seq_rm(1, -1, -1)
             p = ctx.seq_pos_max(0)  # restore seq 0's next-token logits
@@ -346,6 +353,12 @@ class Engine:
         cmp = "<=" if commit else ">"
         dec.reason += (f"; self-verification over {m} tokens: delta = {delta:.4f} {cmp} {self.verify_threshold:g} "
                        f"nats/token, " + ("eviction committed" if commit else "kept the full cache"))
+
+    def _compact(self) -> None:
+        """Move the sequence's cells down after eviction: llama.cpp attends over every cell up to the
+        highest used one, so holes left by eviction would keep decoding as slow as the full cache."""
+        if self.compact:
+            self.ctx.page.compact(0)
 
     def measure(self, prompt: str | list[int], add_special: bool = True) -> Decision:
         """Prefill `prompt` on a fresh cache, probe and gate it, without evicting or generating
@@ -426,6 +439,7 @@ class Engine:
                 page.evict(0, np.setdiff1d(held, keep, assume_unique=True))
                 # the first sampled token must already see the compressed cache
                 ctx.seq_rm(0, last_pos, last_pos + 1)
+                self._compact()
                 ctx.decode([last_tok], last_pos, 0)
                 evicted = True
             else:
