@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from . import persist
 from .engine import ContextFull, Engine, Result, Sampling
 
 SAVE_FORMAT = "page-local-chat"
@@ -45,6 +46,7 @@ class ChatSession:
         self.system = system
         self.messages: list[Message] = []
         self._text = ""  # the exact text that is in the KV cache, in order
+        self.evicted = False  # some turn evicted: the cache no longer matches a re-prefill of the text
         self.last_result: Result | None = None
         self.engine.reset()
 
@@ -88,10 +90,13 @@ class ChatSession:
                 self.messages += [Message("user", text), Message("assistant", answer)]
                 self._text = rendered + answer
                 self.last_result = getattr(self.engine, "last_result", None)
+                d = self.engine.last_decision
+                self.evicted = self.evicted or bool(d is not None and d.evicted)
 
     def clear(self) -> None:
         self.messages = []
         self._text = ""
+        self.evicted = False
         self.engine.reset()
 
     def set_system(self, system: str | None) -> None:
@@ -106,15 +111,24 @@ class ChatSession:
         if len(toks) + 1 > self.engine.n_ctx:  # checked before anything is dropped
             raise ContextFull(0, len(toks) + 1, self.engine.n_ctx)
         self.engine.reset()
-        self.messages, self._text = [], ""
+        self.messages, self._text, self.evicted = [], "", False
         if not messages:
             return
         self.engine.last_decision, _ = self.engine._prefill_and_gate(toks)
         self.messages, self._text = list(messages), text
+        self.evicted = self.engine.last_decision.evicted
 
     # --- persistence -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike, settings: dict | None = None) -> Path:
-        """Write the conversation and settings as JSON, atomically (temp file + rename)."""
+        """Write the conversation and settings, atomically (temp file + rename).
+
+        A conversation whose cache was evicted is saved with its KV cache (page_local.persist), so
+        that it continues with identical tokens after load; otherwise as readable JSON that load
+        re-prefills."""
+        if self.evicted:
+            extra = {"format": SAVE_FORMAT, "system": self.system, "messages": [m.__dict__ for m in self.messages],
+                     "settings": settings or {}, "text": self._text}
+            return persist.save(self.engine, path, extra)
         path = Path(path).expanduser()
         data = {"format": SAVE_FORMAT, "version": 1, "system": self.system,
                 "messages": [m.__dict__ for m in self.messages], "settings": settings or {}}
@@ -151,7 +165,21 @@ class ChatSession:
         return data
 
     def load(self, path: str | os.PathLike) -> dict:
-        """Load a saved conversation and re-prefill it. Returns its settings."""
+        """Load a saved conversation (restoring its cache, or re-prefilling JSON). Returns its settings.
+        A file that cannot be loaded raises ChatFileError and leaves the session as it was."""
+        if persist.is_state_file(path):
+            try:
+                header, _ = persist.read(path)
+                if header.get("model_id") != self.engine.model_id:
+                    raise persist.StateFileError(f"{path} was saved with another model ({header.get('model_id')})")
+                extra = header.get("extra") or {}
+                msgs = [Message(m["role"], m["content"]) for m in extra.get("messages", [])]
+                text, system = str(extra.get("text", "")), extra.get("system")
+                persist.load(self.engine, path)
+            except (persist.StateFileError, KeyError, TypeError) as e:
+                raise ChatFileError(str(e)) from None
+            self.system, self.messages, self._text, self.evicted = system, msgs, text, True
+            return extra.get("settings") or {}
         data = self.read(path)
         self.system = data.get("system")
         self.replay([Message(m["role"], m["content"]) for m in data["messages"]])
