@@ -17,7 +17,7 @@ LIB      := $(BUILD)/bin/libllama.so
 JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 export CCACHE_DIR ?= $(CACHE)/ccache
 
-.PHONY: setup native chat test test-fast bench clean distclean
+.PHONY: setup native chat test test-fast fuzz test-asan clean distclean
 
 setup: $(VENV)/.stamp-page-local native $(VENV)/.stamp-model
 
@@ -65,8 +65,27 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# >= 1000 hypothesis examples of random cache operations on a tiny model (a fast subset runs in `make test`)
+fuzz: setup
+	PAGE_LOCAL_FUZZ_EXAMPLES=1000 $(BIN)/python -m pytest -q tests/test_fuzz.py
+
+# the patched library built with AddressSanitizer + UndefinedBehaviorSanitizer, native tests against it
+ASAN_BUILD := build-asan
+test-asan: setup
+	@if [ ! -f $(ASAN_BUILD)/build.ninja ]; then \
+	    PATH="$(CURDIR)/$(BIN):$$PATH" cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	        -DPAGE_SANITIZE=ON -DPAGE_BACKEND=cpu -DPAGE_CACHE_DIR=$(CACHE) -DPython3_EXECUTABLE=$(CURDIR)/$(BIN)/python; \
+	fi
+	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(ASAN_BUILD) -j $(JOBS)
+	PAGE_LOCAL_LIB_DIR=$(CURDIR)/$(ASAN_BUILD)/bin \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	PAGE_LOCAL_FUZZ_EXAMPLES=100 \
+	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_bindings.py tests/test_native.py \
+	        tests/test_probe_fidelity.py tests/test_fuzz.py
+
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD)
 
 distclean: clean
 	rm -rf $(VENV)
