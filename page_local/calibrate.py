@@ -67,17 +67,26 @@ def read_pilot(path: str | Path) -> list[str]:
 
 def builtin_pilot(engine, n: int, lengths=DEFAULT_LENGTHS, seed: int = 0) -> list[str]:
     """n generated prompts sized with the model's own tokenizer (chat template applied by the caller)."""
-    lengths = [L for L in lengths if L + 128 <= engine.n_ctx] or [max(256, engine.n_ctx - 256)]
+    lengths = [L for L in lengths if L + 128 <= engine.n_ctx]
+    if not lengths:
+        raise ValueError(f"n_ctx = {engine.n_ctx} is too small for the built-in pilot (its prompts take "
+                         f"{min(DEFAULT_LENGTHS)} tokens or more): use n_ctx >= {min(DEFAULT_LENGTHS) + 128} "
+                         "or a pilot file of your own")
     count = lambda text: len(engine.model.tokenize(text, add_special=False))  # noqa: E731
     return [s.text() for s in pilot_prompts(n, lengths, count, seed)]
 
 
 def calibrate(engine, prompts: list[str], progress: Callable[[int, int], None] | None = None) -> Calibration:
     """Measure D on every prompt, store the profile for the engine's model, return the numbers."""
+    from .engine import ContextFull
+
     drops = []
     for i, prompt in enumerate(prompts):
-        d = engine.measure(prompt)
-        if d.D is not None and math.isfinite(d.D):
+        try:
+            d = engine.measure(prompt)
+        except ContextFull:  # a pilot prompt longer than n_ctx says nothing about the gate: skip it
+            d = None
+        if d is not None and d.D is not None and math.isfinite(d.D):
             drops.append(float(d.D))
         if progress:
             progress(i + 1, len(prompts))
