@@ -1,0 +1,651 @@
+"""The evaluation runner: every evictor x budget x gate configuration of every sample, from ONE prefill.
+
+Per sample (DESIGN.md, "Evaluation in brief"):
+  1. the prompt is the model's own chat template (GGUF metadata, llama-cpp-python's Jinja2 chat
+     formatter): user = context + "\\n\\n" + question, and the task's answer prefix opens the
+     assistant turn (otherwise small models restate the question);
+  2. prefill once in sequence 0 (all but the last W = 32 tokens, then the last 32 with the probe
+     armed, as the engine does); D and, with a calibration profile, z (gate.Gate.for_model);
+  3. sequence 0 is never modified afterwards: every candidate cache is built in sequence 1, which
+     shares sequence 0's cells (llama_memory_seq_cp), and is removed after use:
+     * full cache: seq 1 = seq 0; the first token comes from the prefill's logits (exactly
+       Engine(gate="never"));
+     * evictor x budget: seq 1 = seq 0 minus the last prompt token; the complement of the
+       evictor's keep set is evicted from seq 1 only; the last prompt token is decoded again at its
+       position (llama.cpp accepts a batch only at the sequence's highest position + 1);
+  4. on each candidate cache: the teacher-forced NLL of the first reference answer (" " + answer,
+     appended after the prompt; total nats over its tokens), greedy generation up to the task's
+     max_new_tokens (stop at end-of-generation), and, for evicted candidates, the self-verification
+     score delta_self = mean over the first m tokens generated with the FULL cache of
+     log p_full - log p_evicted, teacher-forced on the evicted cache in one batch (Engine._verify);
+  5. gate configurations are then read off the candidates (greedy decoding is deterministic):
+     always = the plain evictor; page = evicted iff PAGE's gate opens; verify = evicted iff
+     delta_self <= 0.05 (the engine's default), and then the answer is the m full-cache tokens
+     followed by the evicted cache's continuation, as Engine(gate="verify") streams it;
+     page+verify = both.
+
+Rows (JSONL, one per (sample, configuration)) carry the candidate's own outcome next to the
+configuration's (`*_candidate`, `*_committed`, `delta_self`, `D`), so any PAGE or verify threshold
+can be evaluated post hoc (metrics.py). The run is resumable: rows already in the output file are
+skipped, keyed by (model, source, task, index, length target, seed, query_agnostic, verify_m,
+evictor, budget, gate).
+
+Query-agnostic mode (query_agnostic=True): the probe window is the last 32 tokens of the context,
+the keep set is chosen before the question is seen, and the question + answer prefix are decoded
+after the eviction, on each candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import scoring
+from .readers import read_samples
+from .tasks import Sample, generate, get_task
+
+# every (sample, configuration) row is identified by these fields (resuming skips what is there)
+KEY_FIELDS = ("model", "source", "task", "index", "length_target", "seed", "query_agnostic", "verify_m",
+              "evictor", "budget", "gate")
+EVAL_GATES = ("always", "page", "verify", "page+verify")
+FULL = "full"  # the gate name of the full-cache configuration (evictor and budget are None)
+DEFAULT_BUDGETS = (0.5, 0.25, 0.125, 0.0625)
+VERIFY_DELTA = 0.05  # nats/token: the engine's default threshold (engine.VERIFY_DELTA)
+CTX_MARGIN = 64
+
+Progress = Callable[[int, int], None]
+
+
+# --- prompts ---------------------------------------------------------------------------------
+
+@dataclass
+class Prompt:
+    sample: Sample
+    text: str  # the rendered chat prompt, answer prefix included
+    tokens: list[int]
+    split: int  # tokens[:split] are probed and compressed (== len(tokens) unless query-agnostic)
+    reference: list[int]  # tokens of " " + the first reference answer
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+class ChatPrompter:
+    """Renders samples with the model's chat template, as chat.ChatSession does.
+
+    The BOS text is stripped from the rendered text only when the vocabulary adds BOS itself
+    (llama_vocab_get_add_bos): SmolLM2's "bos" is <|im_start|>, which it does not add.
+    """
+
+    def __init__(self, model, system: str | None = None):
+        from .. import native
+
+        lc = native.llama_cpp()  # the patched library must be loaded before llama_cpp is imported
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        self.model = model
+        self.system = system
+        template = model.metadata().get("tokenizer.chat_template")
+        if not template:
+            raise ValueError(f"{Path(model.path).name} has no chat template in its GGUF metadata; "
+                             "the evaluation needs an instruction-tuned model")
+        lm = model.llama_model
+        self._fmt = Jinja2ChatFormatter(template=template, eos_token=lm.token_get_text(lm.token_eos()),
+                                        bos_token=lm.token_get_text(lm.token_bos()), add_generation_prompt=True)
+        self._adds_bos = bool(lc.llama_vocab_get_add_bos(model.vocab))
+        self.overhead = len(self.model.tokenize(self.render("", ""), add_special=True))
+
+    def render(self, user: str, answer_prefix: str) -> str:
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": user}]
+        text = self._fmt(messages=msgs).prompt
+        bos = self._fmt.bos_token
+        if self._adds_bos and bos and text.startswith(bos):  # llama.cpp adds it when tokenizing
+            text = text[len(bos):]
+        return text + answer_prefix
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of a text without chat markup (tasks.generate's length control)."""
+        return len(self.model.tokenize(text, add_special=False))
+
+    def prompt(self, sample: Sample, query_agnostic: bool = False) -> Prompt:
+        user, prefix = sample.messages()
+        text = self.render(user, prefix)
+        if not sample.answers:
+            raise ValueError(f"{sample.task}[{sample.index}] has no reference answers (unlabeled); "
+                             "it cannot be evaluated")
+        ref = self.model.tokenize(" " + sample.answers[0].strip(), add_special=False, parse_special=False)
+        if not query_agnostic:
+            toks = self.model.tokenize(text, add_special=True)
+            return Prompt(sample, text, toks, len(toks), ref)
+        ctx = sample.context.rstrip()
+        at = text.find(ctx) if ctx else -1
+        if at < 0:
+            raise ValueError(f"{sample.task}[{sample.index}]: the chat template changed the context; "
+                             "query-agnostic mode cannot find where it ends")
+        head, tail = text[: at + len(ctx)], text[at + len(ctx):]
+        toks = self.model.tokenize(head, add_special=True)
+        split = len(toks)
+        toks = toks + self.model.tokenize(tail, add_special=False)
+        return Prompt(sample, text, toks, split, ref)
+
+
+# --- small helpers on a Context ---------------------------------------------------------------
+
+def _logp(logits: np.ndarray, tok: int) -> float:
+    x = logits.astype(np.float64)
+    m = x.max()
+    return float(x[tok] - m - math.log(np.exp(x - m).sum()))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max()
+    return x - math.log(np.exp(x).sum())
+
+
+def _decode_all(ctx, tokens: Sequence[int], pos: int, seq: int) -> list[np.ndarray]:
+    """Decode tokens at pos.. in seq with logits for every token; returns them (chunks of n_batch)."""
+    out = []
+    for s in range(0, len(tokens), ctx.n_batch):
+        chunk = list(tokens[s: s + ctx.n_batch])
+        ctx.decode(chunk, pos + s, seq, logits="all")
+        out.extend(ctx.logits(i) for i in range(len(chunk)))
+    return out
+
+
+def _teacher_force(ctx, first_logits: np.ndarray, targets: Sequence[int], pos: int, seq: int) -> np.ndarray:
+    """f64 log p of each target: the first from first_logits, the rest from one batch of targets[:-1]
+    decoded at pos... The decoded tokens stay in seq (the caller removes them)."""
+    lp = [_logp(first_logits, targets[0])]
+    if len(targets) > 1:
+        lp += [_logp(lg, t) for lg, t in zip(_decode_all(ctx, targets[:-1], pos, seq), targets[1:])]
+    return np.asarray(lp, dtype=np.float64)
+
+
+def _greedy(ctx, model, first_logits: np.ndarray, pos: int, seq: int, max_new: int,
+            want_logp: bool = False) -> tuple[list[int], list[float], str]:
+    """Greedy generation from first_logits; tokens are decoded at pos.. in seq.
+
+    Returns (tokens without the end-of-generation token, log p of each of them, finish)."""
+    out: list[int] = []
+    lps: list[float] = []
+    logits = first_logits
+    for _ in range(max_new):
+        tok = int(np.argmax(logits))
+        if model.is_eog(tok):
+            return out, lps, "stop"
+        out.append(tok)
+        if want_logp:
+            lps.append(_logp(logits, tok))
+        if len(out) == max_new:
+            break
+        ctx.decode([tok], pos, seq)
+        pos += 1
+        logits = ctx.logits()
+    return out, lps, "length"
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 2)
+
+
+# --- the per-sample evaluation ---------------------------------------------------------------
+
+@dataclass
+class Candidate:
+    """The outcomes on one cache (full, or one evictor x budget)."""
+
+    evicted: bool
+    kept: int
+    B: int | None = None
+    nll: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish: str = ""
+    delta_self: float | None = None
+    verify_m: int | None = None
+    verify_top1: float | None = None
+    verify_kl_first: float | None = None
+    committed: list[int] | None = None  # verify's answer if it commits (full-cache m tokens + continuation)
+    timings: dict = field(default_factory=dict)
+
+
+class _Run:
+    def __init__(self, eng, page_gate, evictors: dict, budgets: Sequence, gates: Sequence[str],
+                 verify_m: int, seed: int):
+        self.eng, self.ctx, self.model = eng, eng.ctx, eng.model
+        self.page_gate = page_gate
+        self.evictors, self.budgets, self.gates = evictors, list(budgets), list(gates)
+        self.verify_m, self.seed = verify_m, seed
+        self.need_commit = any(g in ("verify", "page+verify") for g in gates)
+        self.last_full: Candidate | None = None  # the last sample's full-cache outcome (tests, debugging)
+
+    def sample(self, p: Prompt, wanted: set) -> list[dict]:
+        """The rows of one sample for the wanted (evictor, JSON budget, gate) configurations; the full
+        cache is (None, None, "full"). The random evictor's seed is seed + sample index."""
+        from ..engine import N_SINK, TOP_K, W, _align
+        from ..evictors.base import EvictionInput, resolve_budget
+        from ..signal import compute_signal
+
+        eng, ctx, page = self.eng, self.ctx, self.ctx.page
+        t_sample = time.perf_counter()
+        eng.reset()
+        toks, s = p.tokens, p.split
+        w = min(W, s)
+        needs = set().union(*(e.needs for e in self.evictors.values())) if self.evictors else set()
+        t0 = time.perf_counter()
+        prefill_attn = eng._prefill(toks[: s - w], 0, track="prefill_attention" in needs)
+        page.arm_probe(0, TOP_K)
+        ctx.decode(toks[s - w: s], s - w, 0)
+        logits0 = ctx.logits()  # the next-token logits after the compressible part
+        probe = page.read_probe()
+        prefill_ms = _ms(t0)
+        t0 = time.perf_counter()
+        D, agreement = None, []
+        if probe.n_head >= 2:
+            sig = compute_signal(probe)
+            D, agreement = float(sig.D), [round(float(a), 6) for a in sig.agreement]
+        g = self.page_gate.decide(D) if D is not None else None
+        page_open = bool(g.open) if g else False
+        z = None if g is None or g.z is None else float(g.z)
+        held = page.positions(0)
+        T = int(held.size)
+        gate_ms = _ms(t0)
+        suffix = toks[s:]
+        try:
+            full = self.last_full = self._full(p, logits0, suffix)
+            cands: dict[tuple, Candidate] = {}
+            extra: dict = {}
+            for ename, ev in self.evictors.items():
+                for b in self.budgets:
+                    if not any((ename, _jkey(b), gname) in wanted for gname in self.gates):
+                        continue
+                    B = resolve_budget(b, T, W, N_SINK)
+                    if T <= B:
+                        c = Candidate(evicted=False, kept=T, B=B, nll=full.nll, tokens=full.tokens,
+                                      finish=full.finish, delta_self=0.0, verify_m=0, verify_top1=1.0,
+                                      verify_kl_first=0.0, committed=full.tokens)
+                        cands[(ename, _jkey(b))] = c
+                        continue
+                    t0 = time.perf_counter()
+                    inp = EvictionInput(held=held, budget=B, window=probe.queries, n_sink=N_SINK, probe=probe,
+                                        seed=self.seed + p.sample.index, **self._signals(ev, extra, probe, held,
+                                                                                        prefill_attn, toks, s, _align))
+                    keep = ev.select(inp)
+                    select_ms = _ms(t0)
+                    c = self._evicted(p, keep, held, full)
+                    c.B = B
+                    c.timings["select_ms"] = select_ms
+                    cands[(ename, _jkey(b))] = c
+        finally:
+            ctx.seq_rm(1, -1, -1)
+        sample_s = time.perf_counter() - t_sample
+        return self._rows(p, T, D, z, page_open, g, agreement, full, cands, wanted,
+                          dict(prefill_ms=prefill_ms, gate_ms=gate_ms, sample_s=round(sample_s, 3)))
+
+    def _signals(self, ev, extra: dict, probe, held, prefill_attn, toks, s, _align) -> dict:
+        """Extra evictor inputs, computed once per sample, after the full-cache candidate."""
+        from ..engine import TOP_K
+
+        ctx, page, out = self.ctx, self.ctx.page, {}
+        if "last_query" in ev.needs:
+            if "last_query" not in extra:  # re-decode the last probed token with the probe armed
+                last = s - 1
+                ctx.seq_rm(0, last, last + 1)
+                page.arm_probe(0, TOP_K)
+                ctx.decode([toks[last]], last, 0)
+                extra["last_query"] = page.read_probe()
+            out["last_query"] = extra["last_query"]
+        if "key_norms" in ev.needs:
+            if "key_norms" not in extra:
+                extra["key_norms"] = page.key_norms(0, self.model.n_layer, self.model.n_head_kv)
+            out["key_norms"] = extra["key_norms"]
+        if "prefill_attention" in ev.needs and prefill_attn is not None:
+            out["prefill_attention"] = _align(prefill_attn, probe, held)
+        return out
+
+    def _full(self, p: Prompt, logits0: np.ndarray, suffix: list[int]) -> Candidate:
+        ctx = self.ctx
+        c = Candidate(evicted=False, kept=p.split)
+        t0 = time.perf_counter()
+        ctx.seq_cp(0, 1)
+        first = logits0
+        if suffix:  # query-agnostic: the question and answer prefix follow the (full) context
+            ctx.decode(suffix, p.split, 1)
+            first = ctx.logits()
+        c.timings["evict_ms"] = _ms(t0)
+        self._outcomes(c, p, first, want_logp=True)
+        self.full_first = first
+        ctx.seq_rm(1, -1, -1)
+        return c
+
+    def _evicted(self, p: Prompt, keep: np.ndarray, held: np.ndarray, full: Candidate) -> Candidate:
+        """Candidate on seq 1 = seq 0 minus the complement of keep; last probed token re-decoded."""
+        ctx, page, s, toks = self.ctx, self.ctx.page, p.split, p.tokens
+        last = s - 1
+        t0 = time.perf_counter()
+        ctx.seq_cp(0, 1, -1, last)  # positions [0, last): the prompt minus its last probed token
+        drop = np.setdiff1d(held[held < last], keep, assume_unique=True)
+        if drop.size:
+            page.evict(1, drop)
+        ctx.decode([toks[last]] + toks[s:], last, 1)
+        first = ctx.logits()
+        kept = int(np.isin(held, keep).sum())
+        c = Candidate(evicted=bool(drop.size), kept=kept)
+        c.timings["evict_ms"] = _ms(t0)
+        self._outcomes(c, p, first, want_logp=False)
+        self._verify(c, p, full, first)
+        ctx.seq_rm(1, -1, -1)
+        return c
+
+    def _outcomes(self, c: Candidate, p: Prompt, first: np.ndarray, want_logp: bool) -> None:
+        """NLL of the reference and the greedy answer on the candidate held in seq 1 (up to p.n - 1)."""
+        ctx, n = self.ctx, p.n
+        t0 = time.perf_counter()
+        c.nll = float(-_teacher_force(ctx, first, p.reference, n, 1).sum())
+        ctx.seq_rm(1, n, -1)
+        c.timings["nll_ms"] = _ms(t0)
+        t0 = time.perf_counter()
+        c.tokens, lps, c.finish = _greedy(ctx, self.model, first, n, 1, p.sample.max_new_tokens, want_logp)
+        ctx.seq_rm(1, n, -1)
+        c.timings["gen_ms"] = _ms(t0)
+        c.timings["gen_tokens"] = len(c.tokens)
+        if want_logp:
+            self.full_logp = lps
+
+    def _verify(self, c: Candidate, p: Prompt, full: Candidate, first: np.ndarray) -> None:
+        """delta_self over the first m full-cache tokens, teacher-forced on the candidate in one batch,
+        and (when a verify gate is evaluated) the answer Engine(gate="verify") gives if it commits."""
+        ctx, n, m = self.ctx, p.n, self.verify_m
+        y = full.tokens[:m]
+        k = len(y)
+        if k == 0:  # the full cache ends the answer at once: nothing to verify (the engine keeps it)
+            c.committed = list(full.tokens)
+            return
+        t0 = time.perf_counter()
+        lp_full = np.asarray(self.full_logp[:k], dtype=np.float64)
+        outs = _decode_all(ctx, y, n, 1)  # outs[i] = distribution after y[:i+1]
+        ev_logits = [first] + outs[: k - 1]
+        lp_ev = np.asarray([_logp(lg, t) for lg, t in zip(ev_logits, y)], dtype=np.float64)
+        c.delta_self = float(np.mean(lp_full - lp_ev))
+        c.verify_m = k
+        c.verify_top1 = float(np.mean([int(np.argmax(lg)) == t for lg, t in zip(ev_logits, y)]))
+        pf, pe = _log_softmax(self.full_first), _log_softmax(first)
+        c.verify_kl_first = float(np.sum(np.exp(pf) * (pf - pe)))
+        if self.need_commit:
+            rest = p.sample.max_new_tokens - k
+            if k < m or rest <= 0:  # the full answer ended before m tokens, or no room after them
+                c.committed = list(full.tokens)
+            elif c.tokens[:m] == y:  # the evicted cache itself produced y: its continuation is the same
+                c.committed = list(c.tokens)
+            else:
+                more, _, _ = _greedy(ctx, self.model, outs[k - 1], n + k, 1, rest)
+                c.committed = list(y) + more
+        ctx.seq_rm(1, n, -1)
+        c.timings["verify_ms"] = _ms(t0)
+
+    def _rows(self, p, T, D, z, page_open, g, agreement, full: Candidate, cands, wanted, shared) -> list[dict]:
+        sample = p.sample
+        det = self.model.detokenize
+        full_pred = det(full.tokens)
+        full_score = scoring.score(sample, full_pred)
+        full_correct = full_score == 1.0
+        base = dict(task=sample.task, index=sample.index, length=sample.length, n_prompt=p.n, T=T,
+                    D=D, z=z, page_open=page_open, rule=g.rule if g else "none",
+                    nll_full=full.nll, score_full=full_score, correct_full=full_correct,
+                    n_answer_tokens=len(p.reference))
+        rows = []
+        if (None, None, FULL) in wanted:
+            rows.append(dict(base, evictor=None, budget=None, gate=FULL, B=None, open=False, evicted=False,
+                             kept=T, compression=1.0, prediction=full_pred, finish=full.finish,
+                             score=full_score, correct=full_correct, nll_evicted=full.nll, delta_nll=0.0,
+                             delta_self=None, verify_open=None, verify_tokens=None, verify_top1=None,
+                             verify_kl_first=None, nll_candidate=None, delta_nll_candidate=None,
+                             score_candidate=None, correct_candidate=None, score_committed=None,
+                             correct_committed=None,
+                             timings=dict(shared, **full.timings)))
+        for (ename, bkey), c in cands.items():
+            budget = json.loads(bkey)
+            plain_pred = det(c.tokens)
+            plain_score = scoring.score(sample, plain_pred)
+            com_pred = det(c.committed) if c.committed is not None else None
+            com_score = scoring.score(sample, com_pred) if com_pred is not None else None
+            verify_open = c.delta_self is not None and c.delta_self <= VERIFY_DELTA
+            can_evict = c.evicted
+            for gname in self.gates:
+                if (ename, bkey, gname) not in wanted:
+                    continue
+                if gname == "always":
+                    is_open, pred, sc, fin = True, plain_pred, plain_score, c.finish
+                else:
+                    is_open = {"page": page_open, "verify": verify_open,
+                               "page+verify": page_open and verify_open}[gname]
+                    use = is_open and can_evict
+                    if gname == "page":
+                        pred, sc, fin = (plain_pred, plain_score, c.finish) if use else (full_pred, full_score, full.finish)
+                    else:
+                        pred, sc, fin = (com_pred, com_score, "") if use else (full_pred, full_score, full.finish)
+                applied = is_open and can_evict
+                kept = c.kept if applied else T
+                nll_ev = c.nll if applied else full.nll
+                timings = dict(shared, **c.timings)
+                rows.append(dict(
+                    base, evictor=ename, budget=budget, gate=gname, B=c.B, open=bool(is_open), evicted=applied,
+                    kept=kept, compression=T / kept if kept else 1.0, prediction=pred, finish=fin,
+                    score=sc, correct=sc == 1.0, nll_evicted=nll_ev, delta_nll=nll_ev - full.nll,
+                    delta_self=c.delta_self, verify_open=verify_open, verify_tokens=c.verify_m,
+                    verify_top1=c.verify_top1, verify_kl_first=c.verify_kl_first,
+                    nll_candidate=c.nll, delta_nll_candidate=c.nll - full.nll,
+                    score_candidate=plain_score, correct_candidate=plain_score == 1.0,
+                    score_committed=com_score, correct_committed=None if com_score is None else com_score == 1.0,
+                    timings=timings))
+        if agreement and rows and rows[0]["gate"] == FULL:
+            rows[0]["agreement"] = agreement  # per-layer head agreement, on the full-cache row
+        return rows
+
+
+def _jkey(v) -> str:
+    return json.dumps(v)
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(_jkey(row.get(k)) for k in KEY_FIELDS)
+
+
+# --- results file ------------------------------------------------------------------------------
+
+def read_rows(path: str | os.PathLike, repair: bool = False) -> list[dict]:
+    """Rows of a results file. A truncated LAST line (an interrupted write) is ignored, and with
+    repair=True cut off the file; a bad line elsewhere is a ValueError naming it."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    rows, offset = [], 0
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        end = offset + len(line) + 1
+        if line.strip():
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not an object")
+                rows.append(row)
+            except ValueError as e:
+                if all(not x.strip() for x in lines[i + 1:]):  # the last line: an interrupted write
+                    if repair:
+                        with open(path, "r+b") as f:
+                            f.truncate(offset)
+                    break
+                raise ValueError(f"{path}:{i + 1}: not a results row ({e})") from None
+        offset = end
+    return rows
+
+
+# --- the public entry point ----------------------------------------------------------------------
+
+def _check_budgets(budgets) -> list:
+    from ..evictors.base import resolve_budget
+
+    out = []
+    for b in budgets:
+        resolve_budget(b, 10_000)  # ValueError says what is wrong
+        out.append(b)
+    if not out:
+        raise ValueError("give at least one budget")
+    return out
+
+
+def _round_ctx(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def load_samples(prompter: ChatPrompter | None, tasks: Sequence[str] | None, n: int | None, length: int | None,
+                 seed: int, input: str | os.PathLike | None) -> list[Sample]:
+    """Generated samples (tasks x n at `length` tokens) or the samples of a RULER/kvpress file
+    (optionally only `tasks`, at most n per task)."""
+    if input is not None:
+        samples = read_samples(input)
+        if tasks:
+            want = set(tasks)
+            samples = [s for s in samples if s.task in want]
+        if n is not None:
+            per: dict[str, int] = {}
+            keep = []
+            for s in samples:
+                if per.get(s.task, 0) < n:
+                    keep.append(s)
+                    per[s.task] = per.get(s.task, 0) + 1
+            samples = keep
+        return samples
+    if not tasks:
+        raise ValueError("give at least one task")
+    for t in tasks:
+        spec = get_task(t)
+        if not spec.labeled:
+            raise ValueError(f"task {t!r} is unlabeled (a calibration pilot); it cannot be evaluated")
+    if n is None or length is None:
+        raise ValueError("generated tasks need n and length")
+    # the template's fixed overhead comes off the target, so that prompt + answer budget <= length
+    target = length - prompter.overhead
+    return [s for t in tasks for s in generate(t, n, target, prompter.count_tokens, seed)]
+
+
+def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10, length: int | None = 2048,
+             budgets: Sequence = DEFAULT_BUDGETS, evictors: Sequence[str] = ("snapkv",),
+             gates: Sequence[str] = ("always", "page"), out: str | os.PathLike = "results/eval.jsonl",
+             seed: int = 42, threads: int = 2, n_ctx: int | None = None, query_agnostic: bool = False,
+             verify_m: int = 16, progress: Progress | None = None, input: str | os.PathLike | None = None,
+             system: str | None = None, limit_s: float | None = None) -> dict:
+    """Evaluate every (sample, configuration); rows are appended to `out` (JSONL), resuming.
+
+    model: a registered name (smollm2, qwen2.5-coder, gemma3-270m), a GGUF path, or None (default).
+    tasks/n/length: generated RULER-style samples; or input=FILE (RULER or kvpress rows).
+    gates: any of always, page, verify, page+verify; the full cache is always evaluated.
+    progress(done, total) counts rows (already present ones included; first call before any work).
+    limit_s: stop after the sample during which this many seconds passed (the run stays resumable).
+    Returns {"out", "rows_written", "rows_present", "samples", "samples_run", "wall_s", "per_sample_s"}.
+    """
+    from .. import gate as gate_mod
+    from .. import models
+    from ..engine import Engine, _supported
+    from ..evictors import get_evictor
+    from ..runtime import Model
+
+    path = models.resolve(model)
+    gates = list(dict.fromkeys(gates))
+    bad = [g for g in gates if g not in EVAL_GATES]
+    if bad:
+        raise ValueError(f"unknown gate mode(s) {bad}; choose from {', '.join(EVAL_GATES)} "
+                         "(the full cache is always evaluated)")
+    budgets = _check_budgets(list(dict.fromkeys(budgets)))
+    evs = {name: _supported(get_evictor(name)) for name in dict.fromkeys(evictors)}
+    if isinstance(verify_m, bool) or not isinstance(verify_m, int) or not 1 <= verify_m <= 256:
+        raise ValueError(f"verify_m must be an int in [1, 256], got {verify_m!r}")
+    if tasks:
+        for t in tasks:
+            if input is None:
+                get_task(t)
+    out = Path(out)
+    model_id = gate_mod.model_identity(path)
+    source = "generated" if input is None else str(input)
+
+    with Model(path) as tok_model:
+        prompter = ChatPrompter(tok_model, system)
+        samples = load_samples(prompter, tasks, n, length, seed, input)
+        if not samples:
+            raise ValueError("no samples to evaluate")
+        prompts = [prompter.prompt(s, query_agnostic) for s in samples]
+        for p in prompts:
+            if p.split < 2:
+                raise ValueError(f"{p.sample.task}[{p.sample.index}]: the prompt is too short")
+        n_ctx_train = tok_model.n_ctx_train
+    need = max(p.n + max(p.sample.max_new_tokens, len(p.reference), verify_m) + 2 for p in prompts)
+    if need > n_ctx_train:
+        raise ValueError(f"the longest prompt needs {need} tokens of context, more than the model was trained "
+                         f"on ({n_ctx_train}); use a smaller length")
+    if n_ctx is None:
+        n_ctx = _round_ctx(need + CTX_MARGIN)
+    elif n_ctx < need:
+        raise ValueError(f"n_ctx={n_ctx} is too small: the longest prompt needs {need} cells")
+
+    configs = [(None, None, FULL)] + [(e, b, g) for e in evs for b in budgets for g in gates]
+    length_target = None if input is not None else length
+
+    def key_of(s: Sample, e, b, g) -> tuple:
+        vals = dict(model=model_id, source=source, task=s.task, index=s.index, length_target=length_target,
+                    seed=seed, query_agnostic=bool(query_agnostic), verify_m=verify_m, evictor=e, budget=b, gate=g)
+        return tuple(_jkey(vals[k]) for k in KEY_FIELDS)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    present = {row_key(r) for r in read_rows(out, repair=True)}
+    todo = []
+    total = len(prompts) * len(configs)
+    done = 0
+    for p in prompts:
+        wanted = {(e, None if b is None else _jkey(b), g) for e, b, g in configs
+                  if key_of(p.sample, e, b, g) not in present}
+        done += len(configs) - len(wanted)
+        if wanted:
+            todo.append((p, wanted))
+    if progress:
+        progress(done, total)
+    result = dict(out=str(out), rows_written=0, rows_present=done, samples=len(prompts), samples_run=0,
+                  wall_s=0.0, per_sample_s=None, n_ctx=n_ctx, model=model_id)
+    if not todo:
+        return result
+
+    t_start = time.perf_counter()
+    with Engine(path, n_ctx=n_ctx, budget=0.5, evictor="snapkv", gate="never", threads=threads,
+                seed=seed) as eng:
+        page_gate = gate_mod.Gate.for_model(eng.model_id, "page")
+        result["profile"] = None if page_gate.profile is None else dict(
+            mu=page_gate.profile.mu, sigma=page_gate.profile.sigma, n_pilot=page_gate.profile.n_pilot)
+        result["profile_warning"] = page_gate.warning
+        run = _Run(eng, page_gate, evs, budgets, gates, verify_m, seed)
+        with open(out, "a", encoding="utf-8") as f:
+            for p, wanted in todo:
+                rows = run.sample(p, wanted)
+                for r in rows:
+                    r.update(model=model_id, source=source, length_target=length_target, seed=seed,
+                             query_agnostic=bool(query_agnostic), verify_m=verify_m)
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+                f.flush()
+                result["rows_written"] += len(rows)
+                result["samples_run"] += 1
+                done += len(wanted)
+                if progress:
+                    progress(done, total)
+                if limit_s is not None and time.perf_counter() - t_start > limit_s:
+                    break
+    result["wall_s"] = round(time.perf_counter() - t_start, 2)
+    result["per_sample_s"] = round(result["wall_s"] / max(1, result["samples_run"]), 2)
+    return result

@@ -1,0 +1,257 @@
+"""The evaluation runner, metrics and report on SmolLM2 (1 thread, ~600-token samples): one prefill per
+sample gives the same full-cache answer as Engine(gate="never"), the copy/re-decode path without
+eviction reproduces the full cache, every (sample, configuration) has one complete row, resuming adds
+nothing (and re-creates removed rows identically), metrics on hand-made rows give known numbers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from page_local.cli import main
+from page_local.eval import metrics
+from page_local.eval.report import write_report
+from page_local.eval.runner import FULL, KEY_FIELDS, ChatPrompter, _Run, read_rows, row_key, run_eval
+from page_local.eval.tasks import generate
+from page_local.evictors.base import Evictor
+from page_local.gate import Gate
+
+THREADS = 1
+LENGTH = 600
+VT_LENGTH = 1000
+BUDGETS = (0.5, 0.125)
+EVICTORS = ("snapkv", "random")
+GATES = ("always", "page", "verify")
+N_CONFIGS = 1 + len(BUDGETS) * len(EVICTORS) * len(GATES)
+ROW_FIELDS = ("task", "index", "length", "T", "B", "evictor", "budget", "gate", "D", "z", "open", "kept",
+              "compression", "prediction", "score", "correct", "nll_full", "nll_evicted", "delta_nll",
+              "delta_self", "verify_open", "timings", "evicted", "correct_full", "score_full", "page_open",
+              "nll_candidate", "delta_nll_candidate", "correct_candidate", "correct_committed", "n_prompt",
+              *KEY_FIELDS)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGE_LOCAL_HOME", str(tmp_path_factory.mktemp("home")))  # no calibration profile
+    yield
+    mp.undo()
+
+
+def _run(out, task, n, **kw):
+    args = dict(tasks=[task], n=n, length=LENGTH, budgets=BUDGETS, evictors=EVICTORS, gates=GATES, out=out,
+                threads=THREADS)
+    args.update(kw)
+    return run_eval("smollm2", **args)
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_path, home, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "tiny.jsonl"
+    calls = []
+    r1 = _run(out, "niah_single_1", 2, progress=lambda d, t: calls.append((d, t)))
+    r2 = _run(out, "vt", 1, length=VT_LENGTH)  # vt's in-context example needs ~930 tokens on SmolLM2
+    return out, [r1, r2], calls
+
+
+def test_every_sample_and_configuration_has_one_complete_row(tiny):
+    out, results, calls = tiny
+    rows = read_rows(out)
+    assert len(rows) == 3 * N_CONFIGS
+    assert sum(r["rows_written"] for r in results) == 3 * N_CONFIGS
+    assert calls[0] == (0, 2 * N_CONFIGS) and calls[-1] == (2 * N_CONFIGS, 2 * N_CONFIGS)
+    assert len({row_key(r) for r in rows}) == len(rows)
+    for r in rows:
+        missing = [f for f in ROW_FIELDS if f not in r]
+        assert not missing, missing
+        assert r["T"] == r["n_prompt"] and 0 < r["kept"] <= r["T"]
+        assert r["compression"] == pytest.approx(r["T"] / r["kept"])
+        assert isinstance(r["D"], float) and r["z"] is None  # no profile in this home
+        assert np.isfinite(r["nll_full"]) and np.isfinite(r["nll_evicted"])
+        assert r["delta_nll"] == pytest.approx(r["nll_evicted"] - r["nll_full"])
+        if r["gate"] == FULL:
+            assert r["evictor"] is None and r["budget"] is None and not r["evicted"]
+            assert r["delta_nll"] == 0.0 and r["nll_evicted"] == r["nll_full"]  # budget-1.0 sanity
+            assert r["prediction"] is not None and r["correct"] == r["correct_full"]
+            continue
+        assert r["B"] == max(40, int(r["T"] * r["budget"]))
+        if r["gate"] == "always":
+            assert r["open"] and r["evicted"] and r["kept"] == r["B"]
+            assert r["delta_nll"] == r["delta_nll_candidate"] and r["correct"] == r["correct_candidate"]
+        if r["gate"] == "page":
+            assert r["open"] == r["page_open"] == (r["D"] >= 0.07)
+        if r["gate"] == "verify":
+            assert r["verify_open"] == (r["delta_self"] <= 0.05) and r["open"] == r["verify_open"]
+            assert np.isfinite(r["delta_self"]) and 1 <= r["verify_tokens"] <= 16
+        if not r["evicted"]:  # a closed gate is exactly the full cache
+            assert r["kept"] == r["T"] and r["delta_nll"] == 0.0
+            assert r["correct"] == r["correct_full"]
+        t = r["timings"]
+        assert t["prefill_ms"] > 0 and t["gen_ms"] >= 0 and t["nll_ms"] > 0 and t["verify_ms"] > 0
+
+
+def test_the_samples_are_the_task_generators_and_the_gates_share_one_prefill(tiny):
+    rows = read_rows(tiny[0])
+    per = {}
+    for r in rows:
+        per.setdefault((r["task"], r["index"]), set()).add((r["D"], r["nll_full"], r["correct_full"]))
+    assert sorted(per) == [("niah_single_1", 0), ("niah_single_1", 1), ("vt", 0)]
+    assert all(len(v) == 1 for v in per.values())  # one prefill: D and the full outcome are shared
+
+
+def test_resuming_adds_no_rows_and_recreates_removed_rows_identically(tiny):
+    out = tiny[0]
+    before = out.read_text().splitlines()
+    calls = []
+    res = _run(out, "niah_single_1", 2, progress=lambda d, t: calls.append((d, t)))
+    assert res["rows_written"] == 0 and res["samples_run"] == 0
+    assert calls == [(2 * N_CONFIGS, 2 * N_CONFIGS)]
+    assert out.read_text().splitlines() == before
+    # drop the rows of one sample (niah_single_1[1]) plus a torn last line, then resume
+    keep = [ln for ln in before if not (json.loads(ln)["task"] == "niah_single_1" and json.loads(ln)["index"] == 1)]
+    removed = [json.loads(ln) for ln in before if ln not in keep]
+    out.write_text("\n".join(keep) + "\n" + before[-1][:40])
+    res = _run(out, "niah_single_1", 2)
+    assert res["rows_written"] == N_CONFIGS
+    again = [r for r in read_rows(out) if r["task"] == "niah_single_1" and r["index"] == 1]
+    strip = lambda r: {k: v for k, v in r.items() if k != "timings"}  # noqa: E731
+    assert [strip(r) for r in again] == [strip(r) for r in removed]  # greedy + deterministic
+    out.write_text("\n".join(before) + "\n")
+
+
+class KeepAll(Evictor):
+    """Keeps every position: the candidate path (copy, evict nothing, re-decode) must equal the full cache."""
+
+    name = "keep-all"
+    needs = frozenset()
+
+    def select(self, inp):
+        return inp.held.copy()
+
+
+def test_prefill_once_and_copies_match_the_engine_and_an_empty_eviction_changes_nothing(smollm2_path, home):
+    from page_local.engine import Engine
+
+    with Engine(smollm2_path, n_ctx=1024, gate="never", threads=THREADS) as eng:
+        prompter = ChatPrompter(eng.model)
+        sample = generate("niah_single_1", 1, LENGTH, prompter.count_tokens, 42, start=1)[0]
+        p = prompter.prompt(sample)
+        ref = eng.generate(p.text, max_tokens=sample.max_new_tokens)
+        run = _Run(eng, Gate("page"), {"keep-all": KeepAll()}, [0.5], ["always", "verify"], 16, 42)
+        rows = run.sample(p, {(None, None, FULL), ("keep-all", "0.5", "always"), ("keep-all", "0.5", "verify")})
+        assert run.last_full.tokens == ref.tokens  # token for token
+        assert len(eng.ctx.page.positions(1)) == 0  # sequence 1 is cleaned up
+        assert len(eng.ctx.page.positions(0)) == p.n  # sequence 0 is untouched
+    full = next(r for r in rows if r["gate"] == FULL)
+    assert full["prediction"] == ref.text
+    for r in rows:
+        if r["gate"] == FULL:
+            continue
+        assert abs(r["delta_nll_candidate"]) < 0.05 and abs(r["delta_self"]) < 0.01
+        assert r["verify_open"] and r["correct_candidate"] == full["correct"]
+
+
+def test_query_agnostic_compresses_the_context_only(smollm2_path, home, tmp_path):
+    out = tmp_path / "qa.jsonl"
+    res = run_eval("smollm2", tasks=["niah_single_1"], n=1, length=LENGTH, budgets=(0.5,), evictors=("snapkv",),
+                   gates=("always",), out=out, threads=THREADS, query_agnostic=True)
+    rows = read_rows(out)
+    assert res["rows_written"] == len(rows) == 2
+    for r in rows:
+        assert r["query_agnostic"] and r["T"] < r["n_prompt"]
+    ev = next(r for r in rows if r["gate"] == "always")
+    assert ev["kept"] == ev["B"] == max(40, int(ev["T"] * 0.5))
+
+
+def test_report_writes_markdown_and_plots(tiny, tmp_path):
+    md = write_report(tiny[0], tmp_path / "rep")
+    text = md.read_text()
+    assert "Accuracy vs budget" in text and "niah_single_1" in text and "AUROC" in text
+    for run in ("run1_", "run2_"):  # two runs in the file (length targets 600 and 1000)
+        for png in ("accuracy_vs_budget.png", "D_by_task.png", "roc.png"):
+            assert (tmp_path / "rep" / (run + png)).stat().st_size > 1000
+            assert f"]({run + png})" in text
+    runs = json.loads((tmp_path / "rep" / "summary.json").read_text())  # one run per length target
+    assert sorted(r["n_samples"] for r in runs) == [1, 2] and text.count("## Run ") == 2
+
+
+def test_cli_report_and_usage_errors(tiny, tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(main, ["eval", "report", str(tiny[0]), "--out", str(tmp_path / "r"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert sum(r["n_rows"] for r in json.loads(res.stdout)) == 3 * N_CONFIGS
+    res = runner.invoke(main, ["eval", "report", str(tmp_path / "missing.jsonl")])
+    assert res.exit_code == 2 and "no such results file" in res.stderr
+    for args, needle in ((["--tasks", "nope"], "unknown task"), (["--tasks", "vt", "--gates", "sometimes"], "gate"),
+                         (["--tasks", "vt", "--evictors", "x"], "evictor"), (["--tasks", "vt", "--budgets", "2.5"], "budget"),
+                         ([], "--tasks")):
+        res = runner.invoke(main, ["eval", "run", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert needle in res.output and "Traceback" not in res.output
+
+
+# --- metrics on hand-made rows ----------------------------------------------------------------------
+
+def test_auroc_known_values():
+    assert metrics.auroc([0.9, 0.8, 0.1, 0.2], [1, 1, 0, 0]) == 1.0
+    assert metrics.auroc([0.1, 0.2, 0.9, 0.8], [1, 1, 0, 0]) == 0.0
+    assert metrics.auroc([0.5, 0.5, 0.5, 0.5], [1, 0, 1, 0]) == 0.5
+    assert metrics.auroc([0.3, 0.5, 0.5, 0.1], [1, 1, 0, 0]) == pytest.approx(0.625)  # 2.5 of 4 pairs
+    assert metrics.auroc([0.1, 0.2], [1, 1]) is None and metrics.auroc([], []) is None
+    assert metrics.auroc([None, 0.2, 0.1], [0, 1, 0]) == 1.0  # missing scores are dropped
+    fpr, tpr = metrics.roc_curve([0.9, 0.8, 0.1, 0.2], [1, 1, 0, 0])
+    assert fpr[0] == tpr[0] == 0 and fpr[-1] == tpr[-1] == 1 and tpr[np.argmax(fpr > 0)] == 1
+
+
+def _row(index, task, gate, evictor, budget, correct, correct_full, dnll, D, dself=None, kept=64, T=128,
+         is_open=True):
+    evicted = gate != FULL and is_open
+    return dict(model="m", source="generated", task=task, index=index, length_target=600, seed=42,
+                query_agnostic=False, verify_m=16, evictor=evictor, budget=budget, gate=gate, D=D, z=None,
+                T=T, kept=kept if evicted else T, open=is_open if gate != FULL else False, evicted=evicted,
+                correct=correct, score=float(correct), correct_full=correct_full, delta_nll=dnll if evicted else 0.0,
+                delta_nll_candidate=None if gate == FULL else dnll, correct_candidate=None if gate == FULL else correct,
+                delta_self=dself, page_open=D >= 0.07, verify_open=None if dself is None else dself <= 0.05,
+                timings={"sample_s": 1.0, "prefill_ms": 10.0, "gate_ms": 1.0})
+
+
+def test_metrics_on_hand_made_rows():
+    rows = []
+    # sample 0: right with the full cache, harmed at both budgets (capacity-bound), low D, high delta_self
+    # sample 1: right, harmed only at 0.125 (dilution-prone)
+    # sample 2: right, never harmed; sample 3: wrong with the full cache
+    spec = {0: (True, {0.5: (False, 5.0, 0.9), 0.125: (False, 9.0, 1.5)}, 0.01),
+            1: (True, {0.5: (True, 0.1, 0.01), 0.125: (False, 3.0, 0.6)}, 0.05),
+            2: (True, {0.5: (True, 0.0, 0.0), 0.125: (True, 0.2, 0.02)}, 0.09),
+            3: (False, {0.5: (False, 0.5, 0.03), 0.125: (False, 2.0, 0.04)}, 0.08)}
+    for i, (full_ok, per_b, D) in spec.items():
+        rows.append(_row(i, "t", FULL, None, None, full_ok, full_ok, 0.0, D))
+        for b, (ok, dn, ds) in per_b.items():
+            rows.append(_row(i, "t", "always", "snapkv", b, ok, full_ok, dn, D, ds, kept=int(128 * b)))
+    acc = {(a["gate"], a["budget"]): a["accuracy"] for a in metrics.accuracy(rows)}
+    assert acc[(FULL, None)] == 0.75 and acc[("always", 0.5)] == 0.5 and acc[("always", 0.125)] == 0.25
+    h = {x["budget"]: x for x in metrics.harm(rows)}
+    assert h[0.5]["harm_rate"] == pytest.approx(1 / 3) and h[0.125]["harm_rate"] == pytest.approx(2 / 3)
+    assert h[0.125]["harm_rate_nll"] == 0.75 and h[0.5]["n_harmed_nll"] == 1
+    cls = metrics.classes(rows)
+    by = {sid[3]: c for (sid, ev), c in cls.items()}
+    assert by[0]["by_correct"] == "capacity-bound" and by[1]["by_correct"] == "dilution-prone"
+    assert by[2]["by_correct"] == "dilution-prone" and by[3]["by_correct"] is None
+    assert by[0]["by_nll"] == "capacity-bound" and by[3]["by_nll"] == "dilution-prone"
+    ch = {(x["definition"], x["klass"]): x for x in metrics.class_harm(rows, cls)}
+    assert ch[("by_correct", "capacity-bound")]["harm_rate"] == 1.0
+    assert ch[("by_correct", "dilution-prone")]["harm_rate"] == 0.25
+    comp = {(c["gate"], c["budget"]): c for c in metrics.compression(rows)}
+    assert comp[("always", 0.5)]["compression"] == 2.0 and comp[("always", 0.125)]["kept_fraction"] == 0.125
+    assert comp[(FULL, None)]["compression"] == 1.0 and comp[(FULL, None)]["open_rate"] == 0.0
+    au = {(a["signal"], a["target"], a["budget"]): a for a in metrics.aurocs(rows)}
+    # by correctness at 0.125: harmed = samples 0, 1 (D 0.01, 0.05), unharmed = 2 (D 0.09): -D separates them
+    assert au[("-D", "harm_by_correct", 0.125)]["auroc"] == 1.0
+    assert au[("delta_self", "harm_by_correct", "all")]["auroc"] == 1.0
+    assert au[("-D", "harm_by_correct", 0.5)]["auroc"] == 1.0 and au[("-D", "harm_by_correct", 0.5)]["n_pos"] == 1
+    assert au[("-D", "capacity_by_correct", None)]["auroc"] == 1.0
+    s = metrics.summarize(rows)
+    assert s["n_samples"] == 4 and s["budgets"] == [0.5, 0.125] and s["gates"] == [FULL, "always"]
