@@ -56,8 +56,10 @@ class ChatSession:
         self._fmt.add_generation_prompt = generation_prompt
         text = self._fmt(messages=msgs).prompt
         bos = self._fmt.bos_token
-        # llama.cpp adds BOS itself when the vocabulary asks for it
-        return text[len(bos):] if bos and text.startswith(bos) else text
+        # llama.cpp adds BOS itself when the vocabulary asks for it; otherwise the text stays as
+        # rendered (SmolLM2's "BOS" is <|im_start|>, which the template's first turn needs)
+        adds_bos = self.engine.model.llama_model.add_bos_token()
+        return text[len(bos):] if adds_bos and bos and text.startswith(bos) else text
 
     def _delta(self, rendered: str) -> str:
         if rendered.startswith(self._text):
