@@ -33,7 +33,6 @@ from .evictors import get_evictor
 from .evictors.base import EvictionInput, resolve_budget
 from .probe import ProbeResult
 from .runtime import Context, ContextConfig, Model
-from .signal import drop
 
 W = 32
 TOP_K = 32

@@ -195,7 +195,7 @@ class Repl:
         else:
             tip = "What you can do: /clear to start a new conversation, or restart with a larger --n-ctx"
             if self.engine.gate_mode != "always":
-                tip += (f", or '/set gate always' so that the evictor compresses every turn, at your own risk: "
+                tip += (", or '/set gate always' so that the evictor compresses every turn, at your own risk: "
                         "the gate keeps the full cache when eviction looks unsafe")
         self.console.print(f"{tip} (now {e.n_ctx}).", highlight=False)
 

@@ -240,7 +240,7 @@ def test_bad_budget_on_a_live_engine(closed_engine):
 def test_unknown_evictor_and_gate(smollm2_path, closed_engine):
     with pytest.raises(ValueError, match="unknown evictor 'snapky'; valid names: .*snapkv"):
         Engine(smollm2_path, evictor="snapky")
-    with pytest.raises(ValueError, match="gate mode must be one of page, always, never, verify, page\+verify; got 'sometimes'"):
+    with pytest.raises(ValueError, match=r"gate mode must be one of page, always, never, verify, page\+verify; got 'sometimes'"):
         Engine(smollm2_path, gate="sometimes")
     with pytest.raises(ValueError, match="unknown evictor"):
         closed_engine.set_evictor("nope")

@@ -144,7 +144,7 @@ def markdown(s: dict, plots: dict[str, str] | None = None, title: str | None = N
              f"Wall time per sample (prefill + every configuration): {_f(t.get('sample_s'), 1)} s "
              f"(prefill {_f(t.get('prefill_ms'), 0)} ms).",
              "Gates: plain = the evictor always; PAGE = evict iff the PAGE gate opens "
-             f"(raw D ≥ 0.07, or calibrated z ≥ −0.6934"
+             "(raw D ≥ 0.07, or calibrated z ≥ −0.6934"
              + (f"; here D ≥ {s['calibrated_threshold']:.4f}" if s.get("calibrated_threshold") is not None else "")
              + "); verify = evict iff Δself ≤ 0.05 nats/token over the first m full-cache tokens.",
              "### Accuracy vs budget", _accuracy_table(s)]
