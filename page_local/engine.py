@@ -112,7 +112,7 @@ class Result:
     text: str
     tokens: list[int]
     decision: Decision
-    finish_reason: str  # stop | length | context
+    finish_reason: str  # stop | length | context | interrupted
     prompt_tokens: int
     gen_s: float = 0.0
 
