@@ -158,3 +158,36 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
         "evicted_runs": [round(t, 2) for t in runs["evicted"]],
         "evicted_nocompact_runs": [round(t, 2) for t in runs["evicted_nocompact"]],
     }
+
+
+def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = 16, repeats: int = 3, threads: int = 2) -> dict:
+    """Cost of self-verified eviction: the extra batch decode of m tokens over the evicted copy,
+    as a fraction of the prefill, on a needle prompt of about `tokens` tokens (median of repeats).
+    The threshold is set permissively so that the check always runs to completion."""
+    from .engine import Engine
+
+    hay = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+    ratios, verify_ms, prefill_ms = [], [], []
+    with Engine(model_path, n_ctx=tokens + 256, budget=budget, gate="verify", threads=threads,
+                verify_tokens=m, verify_threshold=1e9) as eng:
+        n_lines = max(2, tokens // 24)
+        prompt = ("Some special magic numbers are hidden within the following text.\n" + hay * (n_lines // 2)
+                  + "One of the special magic numbers for cold-ocean is: 4817302.\n" + hay * (n_lines // 2)
+                  + "What is the special magic number for cold-ocean mentioned in the provided text? "
+                  "The special magic number for cold-ocean mentioned in the provided text is")
+        while len(eng.model.tokenize(prompt)) > tokens:
+            n_lines -= 4
+            prompt = ("Some special magic numbers are hidden within the following text.\n" + hay * (n_lines // 2)
+                      + "One of the special magic numbers for cold-ocean is: 4817302.\n" + hay * (n_lines // 2)
+                      + "What is the special magic number for cold-ocean mentioned in the provided text? "
+                  "The special magic number for cold-ocean mentioned in the provided text is")
+        for _ in range(repeats):
+            d = eng.generate(prompt, max_tokens=m + 1).decision
+            if d.verify_ms is None:
+                raise RuntimeError("self-verification did not run: the model ended its answer at once")
+            verify_ms.append(d.verify_ms)
+            prefill_ms.append(d.prefill_ms)
+            ratios.append(d.verify_ms / d.prefill_ms)
+    return {"bench": "verify", "tokens": d.T, "m": m, "budget": budget, "threads": threads, "repeats": repeats,
+            "verify_ms": round(statistics.median(verify_ms), 2), "prefill_ms": round(statistics.median(prefill_ms), 1),
+            "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05}

@@ -183,6 +183,28 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, as_json):
                    f"speedup {res['speedup']:.3f}; gate decision {res['gate_ms']:.2f} ms")
 
 
+@bench.command("verify")
+@_model_option
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=256))
+@click.option("--m", "m", default=16, show_default=True, type=click.IntRange(1, 256))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="print one JSON line")
+def bench_verify(model, tokens, m, repeats, threads, as_json):
+    """Self-verification's extra decode as a fraction of the prefill (target <= 0.05)."""
+    from .bench import verify_cost
+
+    try:
+        res = verify_cost(_resolve_model(model), tokens=tokens, m=m, repeats=repeats, threads=threads)
+    except (*_runtime_errors(), RuntimeError) as e:
+        _fail(str(e), 1)
+    if as_json:
+        click.echo(json.dumps(res))
+    else:
+        click.echo(f"{res['tokens']}-token prompt: verification {res['verify_ms']:.1f} ms, prefill "
+                   f"{res['prefill_ms']:.0f} ms, ratio {res['ratio']:.4f} (median of {repeats})")
+
+
 def _register() -> None:
     from .repl import chat
 
