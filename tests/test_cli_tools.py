@@ -142,18 +142,11 @@ def test_calibrate_matches_inspect(cli, tmp_path):
 
 
 
-def test_calibrate_builtin_pilot(cli, tmp_path):
-    res = cli("calibrate", "--n", 2, *SMALL)
-    assert res.exit_code == 0, res.output
-    profile = json.loads((next((tmp_path / "home" / "profiles").glob("*.json"))).read_text(encoding="utf-8"))
-    assert profile["n_pilot"] == 2
-    out = res.stdout
-    assert "on 2 prompts of the built-in pilot" in out and "skipped" not in out
-    assert f"mu = {profile['mu']:.4f}  sigma = {profile['sigma']:.4f}  n = 2" in out
-    assert f"D >= {profile['mu'] + Z_THRESHOLD * profile['sigma']:.4f}" in out
-    assert "of 2 prompts (the raw rule on" in out and "profile: " + str(tmp_path / "home") in out
-    # the third task of the built-in mix (multi-key UUIDs) has no instance that fits n_ctx 512
-    one_line_error(cli("calibrate", "--n", 3, *SMALL), 2, "built-in pilot", "--n-ctx")
+def test_calibrate_builtin_pilot_needs_room(cli, tmp_path):
+    """The built-in pilot's prompts take 1024+ tokens: at n_ctx 512 the command says so (exit 2).
+    A real built-in calibration (--n 12 at n_ctx 2048) is tests/test_calibrate_run.py."""
+    one_line_error(cli("calibrate", "--n", 2, *SMALL), 2, "built-in pilot", "n_ctx")
+    assert not (tmp_path / "home" / "profiles").exists() or not any((tmp_path / "home" / "profiles").iterdir())
 
 
 @pytest.mark.parametrize("content,needle", [
