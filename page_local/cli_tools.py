@@ -226,8 +226,7 @@ def calibrate_cmd(model, pilot, n, n_ctx, threads, as_json):
                     else:
                         pilot_error = None
                 if pilot_error is not None:
-                    _fail(f"cannot build the built-in pilot for n_ctx = {eng.n_ctx}: {pilot_error}; "
-                          "use a larger --n-ctx (1024 or more) or --pilot FILE", 2)
+                    _fail(f"cannot build the built-in pilot: {pilot_error} (--n-ctx, or --pilot FILE)", 2)
             empty = sum(1 for p in prompts if not p.strip())
             fits = [p for p in prompts if p.strip() and len(eng.model.tokenize(p, add_special=True)) + 1 <= eng.n_ctx]
             too_long = len(prompts) - empty - len(fits)
