@@ -191,3 +191,52 @@ def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = 16, repeats
     return {"bench": "verify", "tokens": d.T, "m": m, "budget": budget, "threads": threads, "repeats": repeats,
             "verify_ms": round(statistics.median(verify_ms), 2), "prefill_ms": round(statistics.median(prefill_ms), 1),
             "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05}
+
+
+_MEMORY_CHILD = r"""
+import json, resource, sys
+import numpy as np
+kind, model_path, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+prompt = np.random.default_rng(0).integers(100, 4000, size=tokens).tolist()
+n_ctx = tokens + 64
+out = {"kind": kind}
+if kind == "page-local":
+    from page_local.engine import Engine
+    with Engine(model_path, n_ctx=n_ctx, budget=0.25, gate="always", threads=threads) as eng:
+        r = eng.generate(prompt, max_tokens=8)
+        out.update(T=r.decision.T, kept=r.decision.kept, n_ctx=eng.n_ctx)
+else:
+    import page_local.native as native
+    native.llama_cpp()  # the same patched library, loaded through page_local
+    from llama_cpp import Llama
+    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_batch=512, flash_attn=True, verbose=False)
+    llm.create_completion(prompt, max_tokens=8, temperature=0.0)
+    out.update(T=tokens, kept=tokens, n_ctx=n_ctx)
+out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+
+def peak_memory(model_path, tokens: int = 8192, threads: int = 2) -> dict:
+    """Peak RSS of page-local (prefill + eviction to 25 % + 8 tokens) vs stock llama-cpp-python
+    (prefill + 8 tokens) on the same random-token prompt, each in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    res = {}
+    for kind in ("llama-cpp-python", "page-local"):
+        p = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, kind, str(model_path), str(tokens), str(threads)],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{kind} run failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+        res[kind] = json.loads(p.stdout.strip().splitlines()[-1])
+    pl, st = res["page-local"], res["llama-cpp-python"]
+    return {
+        "bench": "memory", "tokens": tokens, "threads": threads,
+        "page_local_peak_rss_mb": round(pl["peak_rss_mb"], 1), "stock_peak_rss_mb": round(st["peak_rss_mb"], 1),
+        "ratio": round(pl["peak_rss_mb"] / st["peak_rss_mb"], 4), "target_ratio": 1.05,
+        "n_ctx": pl["n_ctx"], "T": pl["T"], "kept_after_eviction": pl["kept"],
+        "free_cells_full_cache": pl["n_ctx"] - pl["T"], "free_cells_after_eviction": pl["n_ctx"] - pl["kept"],
+        "note": "llama.cpp preallocates the KV cache for n_ctx: eviction frees cells for more tokens, not memory",
+    }

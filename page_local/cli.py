@@ -205,6 +205,27 @@ def bench_verify(model, tokens, m, repeats, threads, as_json):
                    f"{res['prefill_ms']:.0f} ms, ratio {res['ratio']:.4f} (median of {repeats})")
 
 
+@bench.command("memory")
+@_model_option
+@click.option("--tokens", default=8192, show_default=True, type=click.IntRange(min=256))
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="print one JSON line")
+def bench_memory(model, tokens, threads, as_json):
+    """Peak RSS of page-local vs stock llama-cpp-python on the same prompt (target ratio <= 1.05)."""
+    from .bench import peak_memory
+
+    try:
+        res = peak_memory(_resolve_model(model), tokens=tokens, threads=threads)
+    except (*_runtime_errors(), RuntimeError) as e:
+        _fail(str(e), 1)
+    if as_json:
+        click.echo(json.dumps(res))
+    else:
+        click.echo(f"peak RSS: page-local {res['page_local_peak_rss_mb']:.0f} MB, llama-cpp-python "
+                   f"{res['stock_peak_rss_mb']:.0f} MB, ratio {res['ratio']:.3f}; free cells in n_ctx "
+                   f"{res['n_ctx']}: {res['free_cells_full_cache']} full, {res['free_cells_after_eviction']} after eviction")
+
+
 def _register() -> None:
     from .repl import chat
 
