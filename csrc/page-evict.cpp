@@ -46,6 +46,10 @@ const llama_kv_cache * page_layer_cache(const llama_context * ctx, int il) {
 }
 
 int32_t page_check_seq(const llama_context * ctx, llama_seq_id seq_id) {
+    if (!ctx) {
+        page_set_error("ctx is NULL");
+        return LLAMA_PAGE_ERR_INVALID_ARG;
+    }
     if (!ctx->get_memory()) {
         page_set_error("this context has no KV cache (an embedding or encoder-only model); page-local needs a decoder with a KV cache");
         return LLAMA_PAGE_ERR_UNSUPPORTED;
@@ -147,10 +151,6 @@ int32_t llama_page_evict(llama_context * ctx, llama_seq_id seq_id, const llama_p
 
 int32_t llama_page_compact(llama_context * ctx, llama_seq_id seq_id) {
     page_set_error("");
-    if (!ctx) {
-        page_set_error("ctx is NULL");
-        return LLAMA_PAGE_ERR_INVALID_ARG;
-    }
     if (int32_t rc = page_check_seq(ctx, seq_id); rc != LLAMA_PAGE_OK) {
         return rc;
     }

@@ -19,10 +19,6 @@
 
 int32_t llama_page_key_norms(const llama_context * ctx, llama_seq_id seq_id, float * out, int64_t n) {
     page_set_error("");
-    if (!ctx) {
-        page_set_error("ctx is NULL");
-        return LLAMA_PAGE_ERR_INVALID_ARG;
-    }
     if (int32_t rc = page_check_seq(ctx, seq_id); rc != LLAMA_PAGE_OK) {
         return rc;
     }

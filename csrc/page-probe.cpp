@@ -358,10 +358,6 @@ void llama_page_context_free(llama_context * ctx) {
 
 int32_t llama_page_probe_arm(llama_context * ctx, llama_seq_id seq_id, int32_t top_k, bool keep_rows) {
     page_set_error("");
-    if (!ctx) {
-        page_set_error("ctx is NULL");
-        return LLAMA_PAGE_ERR_INVALID_ARG;
-    }
     if (int32_t rc = page_check_seq(ctx, seq_id); rc != LLAMA_PAGE_OK) {
         return rc;
     }

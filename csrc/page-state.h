@@ -11,7 +11,7 @@ class llama_kv_cache;
 // record the message that llama_page_last_error() returns on this thread
 void page_set_error(const std::string & msg);
 
-// LLAMA_PAGE_OK if seq_id is a valid sequence of ctx whose memory is a (plain or iSWA) KV cache;
+// LLAMA_PAGE_OK if ctx is not NULL and seq_id is a valid sequence of ctx whose memory is a (plain or iSWA) KV cache;
 // else sets the error and returns LLAMA_PAGE_ERR_INVALID_ARG / LLAMA_PAGE_ERR_UNSUPPORTED
 int32_t page_check_seq(const llama_context * ctx, llama_seq_id seq_id);
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from .cli import BudgetType, _fail, _resolve_model, _runtime_errors
+from .cli_common import BudgetType
+from .cli_common import fail as _fail, resolve_model as _resolve_model, runtime_errors as _runtime_errors
 
 DEFAULT_BUDGETS = "0.5,0.25,0.125,0.0625"
 

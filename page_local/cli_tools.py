@@ -16,6 +16,8 @@ from pathlib import Path
 import click
 
 from . import models
+from .cli_common import fail as _fail, model_option as _model_option, read_prompt as _read_prompt
+from .cli_common import resolve_model as _resolve_model, runtime_errors as _runtime_errors
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -24,36 +26,10 @@ _SPARK = "▁▂▃▄▅▆▇█"
 # shared helpers
 
 
-def _model_option(f):
-    return click.option(
-        "--model", "model", metavar="PATH|NAME", default=None,
-        help="A GGUF file or a registered model name (see `page-local models`); "
-             "default: $PAGE_LOCAL_MODEL or the embedded SmolLM2.")(f)
-
-
 def _ctx_options(f):
     f = click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))(f)
     return click.option("--n-ctx", "n_ctx", default=4096, show_default=True, type=click.IntRange(min=1),
                         help="Context size; longer prompts do not fit.")(f)
-
-
-def _fail(message: str, code: int) -> None:
-    from .cli import _fail as fail
-
-    fail(message, code)
-
-
-def _runtime_errors() -> tuple[type[BaseException], ...]:
-    from .cli import _runtime_errors as errors
-
-    return errors()
-
-
-def _resolve_model(model: str | None) -> Path:
-    try:
-        return models.resolve(model)
-    except models.ModelNotInstalled as e:
-        _fail(str(e), 1)
 
 
 def _console(stderr: bool = False):
@@ -271,21 +247,6 @@ def calibrate_cmd(model, pilot, n, n_ctx, threads, as_json):
 
 # ---------------------------------------------------------------------------------------------
 # inspect
-
-
-def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    if (prompt is None) == (prompt_file is None):
-        raise click.UsageError("give exactly one of --prompt and --prompt-file")
-    if prompt_file is not None:
-        try:
-            with open(prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        except UnicodeDecodeError as e:
-            raise click.BadParameter(f"{prompt_file} is not UTF-8 text ({e.reason} at byte {e.start})",
-                                     param_hint="'--prompt-file'") from None
-    if not prompt.strip():
-        raise click.BadParameter("the prompt is empty", param_hint="'--prompt' / '--prompt-file'")
-    return prompt
 
 
 def _sparkline(values: list[float]) -> str:

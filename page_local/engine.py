@@ -268,6 +268,7 @@ class Engine:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         finish = "length"
         t0 = time.perf_counter()
+        used = self.cells_used()  # kept up to date below: no native scan of the cells per token
         try:
             for _ in range(max_tokens):
                 if plan is not None:
@@ -276,15 +277,17 @@ class Engine:
                 if self.model.is_eog(tok):
                     finish = "stop"
                     break
-                if self.cells_used() + 1 > ctx.n_ctx:
+                if used + 1 > ctx.n_ctx:
                     finish = "context"
                     break
                 ctx.decode([tok], ctx.seq_pos_max(0) + 1, 0)
+                used += 1
                 self.history.append(tok)
                 out.append(tok)
                 if plan is not None and len(out) == self.verify_tokens:
                     self._verify(dec, plan, out, lp_full)
                     plan = None
+                    used = self.cells_used()
                 piece = decoder.decode(self.model.token_to_piece(tok))
                 if piece:
                     yield piece

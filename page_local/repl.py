@@ -25,9 +25,10 @@ from rich.table import Table
 from rich.text import Text
 
 from . import models
+from .cli_common import BudgetType, model_option, parse_budget
 from .chat import ChatFileError, ChatSession
 from .engine import ContextFull, Engine, Sampling
-from .evictors import EVICTORS, resolve_budget
+from .evictors import EVICTORS
 from .engine import GATE_MODES as MODES
 from .gate import page_local_home
 from .native import PageError
@@ -50,17 +51,6 @@ Ctrl-C stops an answer (the partial answer stays); Ctrl-C at the prompt clears t
 /read FILE [QUESTION] put the file's text into the next message (QUESTION, or your next line, follows it)
 /save FILE, /load FILE  the conversation and the settings, as JSON
 /exit                 quit"""
-
-
-def parse_budget(text: str) -> float | int:
-    """'0.25' -> 0.25 (ratio of the positions), '1024' -> 1024 (absolute count); validated."""
-    text = text.strip()
-    try:
-        value: float | int = int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text)
-    except ValueError:
-        raise ValueError(f"budget must be a ratio in (0, 1] or a count of cells, got {text!r}") from None
-    resolve_budget(value, 10_000)  # raises ValueError saying what is wrong
-    return value
 
 
 def _split_path(rest: str) -> tuple[str, str]:
@@ -470,22 +460,9 @@ def terminal_reader(input=None, output=None) -> Callable[[str], str]:
     return lambda prompt: session.prompt(prompt)
 
 
-class _Budget(click.ParamType):
-    name = "budget"
-
-    def convert(self, value, param, ctx):
-        if not isinstance(value, str):
-            return value
-        try:
-            return parse_budget(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
-
-
 @click.command("chat")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
-              help="GGUF file (default: $PAGE_LOCAL_MODEL or the embedded SmolLM2).")
-@click.option("--budget", type=_Budget(), default="0.25", show_default=True,
+@model_option
+@click.option("--budget", type=BudgetType(), default="0.25", show_default=True,
               help="cells kept when the gate opens: a ratio in (0, 1] or a count")
 @click.option("--evictor", type=click.Choice(sorted(EVICTORS)), default="snapkv", show_default=True)
 @click.option("--gate", type=click.Choice(MODES), default="page", show_default=True,
@@ -499,7 +476,7 @@ class _Budget(click.ParamType):
 def chat(model, budget, evictor, gate, n_ctx, threads, system, max_tokens, temperature):
     """Chat with a local model; PAGE's gate decision is shown after each answer."""
     try:
-        path = model or models.default_model_path()
+        path = models.resolve(model)
         engine = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads)
     except (ModelError, models.ModelNotInstalled, PageError, DecodeError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None  # one line on stderr, exit code 1

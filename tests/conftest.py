@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from page_local import models
+from page_local.cli import main
 from page_local.runtime import Context, ContextConfig, Model
 
 
@@ -41,3 +43,32 @@ def make_ctx():
 
 def random_tokens(n: int, seed: int = 0, lo: int = 100, hi: int = 4000) -> list[int]:
     return np.random.default_rng(seed).integers(lo, hi, size=n).tolist()
+
+
+@pytest.fixture
+def cli(smollm2_path, tmp_path, monkeypatch):
+    """invoke(*args) -> click Result; the model is the embedded one and the user directory is empty."""
+    monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PAGE_LOCAL_MODEL", raising=False)
+    runner = CliRunner()
+
+    def invoke(*args):
+        res = runner.invoke(main, [str(a) for a in args])
+        assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit), res.exception
+        assert "Traceback" not in res.output
+        return res
+
+    return invoke
+
+
+def one_line_error(res, code: int, *needles: str) -> str:
+    """Assert an error exit: `code`, and a last stderr line 'Error: ...' containing every needle."""
+    assert res.exit_code == code, res.output
+    err = res.stderr.strip()
+    if code == 1:
+        assert err.count("\n") == 0, err  # runtime errors: exactly one line
+    last = err.splitlines()[-1]  # usage errors: click's usage line, then the one-line message
+    assert last.startswith("Error: ")
+    for n in needles:
+        assert n in last, last
+    return last

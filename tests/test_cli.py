@@ -8,41 +8,13 @@ import json
 from dataclasses import fields
 
 import pytest
-from click.testing import CliRunner
 
-from page_local.cli import main
+from tests.conftest import one_line_error
 from page_local.engine import Decision
 from page_local.evictors import EVICTORS
 
 PROMPT = "The capital of France is"
 SMALL = ["--max-tokens", "4", "--n-ctx", "256", "--threads", "1"]
-
-
-@pytest.fixture
-def cli(smollm2_path, tmp_path, monkeypatch):
-    """invoke(*args) -> click Result; the model is the embedded one and the user directory is empty."""
-    monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("PAGE_LOCAL_MODEL", raising=False)
-    runner = CliRunner()
-
-    def invoke(*args):
-        res = runner.invoke(main, list(args))
-        assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit), res.exception
-        assert "Traceback" not in res.output
-        return res
-
-    return invoke
-
-
-def one_line_error(res, code: int, *needles: str) -> None:
-    assert res.exit_code == code, res.output
-    err = res.stderr.strip()
-    if code == 1:
-        assert err.count("\n") == 0, err  # runtime errors: exactly one line
-    last = err.splitlines()[-1]  # usage errors: click's usage line, then the one-line message
-    assert last.startswith("Error: ")
-    for n in needles:
-        assert n in last, last
 
 
 def test_run_streams_the_answer(cli):

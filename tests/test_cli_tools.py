@@ -10,43 +10,14 @@ import struct
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from page_local import models
-from page_local.cli import main
+from tests.conftest import one_line_error
 from page_local.gate import RAW_THRESHOLD, Z_THRESHOLD
 
 SMALL = ["--n-ctx", "512", "--threads", "1"]
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
          "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
-
-
-@pytest.fixture
-def cli(smollm2_path, tmp_path, monkeypatch):
-    """invoke(*args) -> click Result; the model is the embedded one and the user directory is empty."""
-    monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("PAGE_LOCAL_MODEL", raising=False)
-    runner = CliRunner()
-
-    def invoke(*args):
-        res = runner.invoke(main, [str(a) for a in args])
-        assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit), res.exception
-        assert "Traceback" not in res.output
-        return res
-
-    return invoke
-
-
-def one_line_error(res, code: int, *needles: str) -> str:
-    assert res.exit_code == code, res.output
-    err = res.stderr.strip()
-    if code == 1:
-        assert err.count("\n") == 0, err  # runtime errors: exactly one line
-    last = err.splitlines()[-1]  # usage errors: click's usage line, then the one-line message
-    assert last.startswith("Error: ")
-    for n in needles:
-        assert n in last, last
-    return last
 
 
 def pilot_prompts(n: int = 6) -> list[str]:
