@@ -197,12 +197,13 @@ _MEMORY_CHILD = r"""
 import json, resource, sys
 import numpy as np
 kind, model_path, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+compact = sys.argv[5] == "1"
 prompt = np.random.default_rng(0).integers(100, 4000, size=tokens).tolist()
 n_ctx = tokens + 64
 out = {"kind": kind}
 if kind == "page-local":
     from page_local.engine import Engine
-    with Engine(model_path, n_ctx=n_ctx, budget=0.25, gate="always", threads=threads) as eng:
+    with Engine(model_path, n_ctx=n_ctx, budget=0.25, gate="always", threads=threads, compact=compact) as eng:
         r = eng.generate(prompt, max_tokens=8)
         out.update(T=r.decision.T, kept=r.decision.kept, n_ctx=eng.n_ctx)
 else:
@@ -217,7 +218,7 @@ print(json.dumps(out))
 """
 
 
-def peak_memory(model_path, tokens: int = 8192, threads: int = 2) -> dict:
+def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool = True) -> dict:
     """Peak RSS of page-local (prefill + eviction to 25 % + 8 tokens) vs stock llama-cpp-python
     (prefill + 8 tokens) on the same random-token prompt, each in a fresh process."""
     import json
@@ -226,14 +227,15 @@ def peak_memory(model_path, tokens: int = 8192, threads: int = 2) -> dict:
 
     res = {}
     for kind in ("llama-cpp-python", "page-local"):
-        p = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, kind, str(model_path), str(tokens), str(threads)],
+        p = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, kind, str(model_path), str(tokens), str(threads),
+                            "1" if compact else "0"],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"{kind} run failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
         res[kind] = json.loads(p.stdout.strip().splitlines()[-1])
     pl, st = res["page-local"], res["llama-cpp-python"]
     return {
-        "bench": "memory", "tokens": tokens, "threads": threads,
+        "bench": "memory", "tokens": tokens, "threads": threads, "compact": compact,
         "page_local_peak_rss_mb": round(pl["peak_rss_mb"], 1), "stock_peak_rss_mb": round(st["peak_rss_mb"], 1),
         "ratio": round(pl["peak_rss_mb"] / st["peak_rss_mb"], 4), "target_ratio": 1.05,
         "n_ctx": pl["n_ctx"], "T": pl["T"], "kept_after_eviction": pl["kept"],

@@ -148,13 +148,15 @@ def bench_verify(model, tokens, m, repeats, threads, as_json):
 @bench.command("memory")
 @model_option
 @click.option("--tokens", default=8192, show_default=True, type=click.IntRange(min=256))
+@click.option("--compact/--no-compact", default=True, show_default=True,
+              help="compact the cache after eviction, as the engine does by default")
 @_threads_option
 @_json_option
-def bench_memory(model, tokens, threads, as_json):
+def bench_memory(model, tokens, compact, threads, as_json):
     """Peak RSS of page-local vs stock llama-cpp-python on the same prompt (target ratio <= 1.05)."""
     from .bench import peak_memory
 
-    _bench(as_json, lambda: peak_memory(resolve_model(model), tokens=tokens, threads=threads),
+    _bench(as_json, lambda: peak_memory(resolve_model(model), tokens=tokens, threads=threads, compact=compact),
            lambda r: f"peak RSS: page-local {r['page_local_peak_rss_mb']:.0f} MB, llama-cpp-python "
                      f"{r['stock_peak_rss_mb']:.0f} MB, ratio {r['ratio']:.3f}; free cells in n_ctx {r['n_ctx']}: "
                      f"{r['free_cells_full_cache']} full, {r['free_cells_after_eviction']} after eviction")
