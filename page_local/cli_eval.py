@@ -64,9 +64,11 @@ def eval_group():
 @click.option("--query-agnostic", is_flag=True,
               help="Choose the keep set from the context alone; the question is decoded after eviction.")
 @click.option("--system", default=None, help="A system prompt (default: the chat template's own).")
+@click.option("--plain", is_flag=True,
+              help="No chat template (base models): the user text, a blank line, then the answer prefix.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def eval_run(model, tasks, n, length, budgets, evictors, gates, out, input_path, threads, n_ctx, seed, verify_m,
-             query_agnostic, system, quiet):
+             query_agnostic, system, plain, quiet):
     """Run every sample under the full cache and every evictor x budget x gate, from one prefill each."""
     from .eval.runner import EVAL_GATES, run_eval
     from .evictors import EVICTORS
@@ -121,7 +123,7 @@ def eval_run(model, tasks, n, length, budgets, evictors, gates, out, input_path,
         res = run_eval(_resolve_model(model), tasks=task_list or None, n=n, length=length, budgets=budget_list,
                        evictors=ev_list, gates=gate_list, out=out, seed=seed, threads=threads, n_ctx=n_ctx,
                        query_agnostic=query_agnostic, verify_m=verify_m, progress=progress, input=input_path,
-                       system=system)
+                       system=system, plain=plain)
     except runtime_errors as e:
         _stop(bar)
         _fail(str(e), 1)

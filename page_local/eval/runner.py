@@ -83,9 +83,10 @@ class ChatPrompter:
 
     The BOS text is stripped from the rendered text only when the vocabulary adds BOS itself
     (llama_vocab_get_add_bos): SmolLM2's "bos" is <|im_start|>, which it does not add.
+    plain=True (base models without a template): the user text, a blank line, the answer prefix.
     """
 
-    def __init__(self, model, system: str | None = None):
+    def __init__(self, model, system: str | None = None, plain: bool = False):
         from .. import native
 
         lc = native.llama_cpp()  # the patched library must be loaded before llama_cpp is imported
@@ -93,10 +94,15 @@ class ChatPrompter:
 
         self.model = model
         self.system = system
+        self.plain = plain
+        if plain:
+            self._fmt = None
+            self.overhead = len(self.model.tokenize(self.render("", ""), add_special=True))
+            return
         template = model.metadata().get("tokenizer.chat_template")
         if not template:
-            raise ValueError(f"{Path(model.path).name} has no chat template in its GGUF metadata; "
-                             "the evaluation needs an instruction-tuned model")
+            raise ValueError(f"{Path(model.path).name} has no chat template in its GGUF metadata (a base "
+                             "model?); evaluate it with --plain (user text + answer prefix, no chat markup)")
         lm = model.llama_model
         self._fmt = Jinja2ChatFormatter(template=template, eos_token=lm.token_get_text(lm.token_eos()),
                                         bos_token=lm.token_get_text(lm.token_bos()), add_generation_prompt=True)
@@ -104,6 +110,9 @@ class ChatPrompter:
         self.overhead = len(self.model.tokenize(self.render("", ""), add_special=True))
 
     def render(self, user: str, answer_prefix: str) -> str:
+        if self.plain:
+            head = f"{self.system}\n\n" if self.system else ""
+            return f"{head}{user}\n\n{answer_prefix}" if user else f"{head}{answer_prefix}"
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [
             {"role": "user", "content": user}]
         text = self._fmt(messages=msgs).prompt
@@ -544,7 +553,7 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
              gates: Sequence[str] = ("always", "page"), out: str | os.PathLike = "results/eval.jsonl",
              seed: int = 42, threads: int = 2, n_ctx: int | None = None, query_agnostic: bool = False,
              verify_m: int = 16, progress: Progress | None = None, input: str | os.PathLike | None = None,
-             system: str | None = None, limit_s: float | None = None) -> dict:
+             system: str | None = None, limit_s: float | None = None, plain: bool = False) -> dict:
     """Evaluate every (sample, configuration); rows are appended to `out` (JSONL), resuming.
 
     model: a registered name (smollm2, qwen2.5-coder, gemma3-270m), a GGUF path, or None (default).
@@ -579,7 +588,7 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     source = "generated" if input is None else str(input)
 
     with Model(path) as tok_model:
-        prompter = ChatPrompter(tok_model, system)
+        prompter = ChatPrompter(tok_model, system, plain=plain)
         samples = load_samples(prompter, tasks, n, length, seed, input)
         if not samples:
             raise ValueError("no samples to evaluate")
