@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -222,6 +223,7 @@ def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int 
 
     say = progress or (lambda _m: None)
     model_path = Path(model_path)
+    load_start = _loadavg()
     with Model(model_path) as model:
         prompts = _prompts(model, tokens, n, seed)
     pl = _PageLocal(model_path, budget, n_ctx=max(p.n for p in prompts) + gen + 64, threads=threads)
@@ -307,8 +309,18 @@ def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int 
         "full_cache_same_answer": agree,
         "kvpress_pipeline_same_tokens": sum(r["kvpress_pipeline_query_agnostic"]["same_tokens"] for r in rows),
         "keep_sets": "kvpress: one per KV head and layer; page-local: one per position, shared by every layer and head",
+        # 1-minute load average at the start and the end: above the thread count, the machine was shared
+        "loadavg_start": load_start,
+        "loadavg_end": _loadavg(),
         "rows": rows,
     }
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # not on every platform
+        return None
 
 
 def _version(dist: str, module) -> str:
@@ -343,4 +355,6 @@ def describe(r: dict) -> str:
         f"page-local {pct(a['page_local_snapkv'])} (one shared keep set), kvpress {pct(a['kvpress_snapkv'])} "
         f"(per-KV-head keep sets); kvpress pipeline query-agnostic (its default): "
         f"{pct(a['kvpress_snapkv_query_agnostic'])}",
-    ])
+    ] + ([f"1-minute load average {r['loadavg_start']} at the start, {r['loadavg_end']} at the end "
+          f"({r['threads']} threads): the machine was shared, quote ratios, not absolute times"]
+         if max(r["loadavg_start"] or 0, r["loadavg_end"] or 0) > r["threads"] else []))
