@@ -130,10 +130,12 @@ class _KVPress:
         self.pipe = pipeline("kv-press-text-generation", model=self.model, tokenizer=self.tok, device="cpu")
         self.is_eog = is_eog
 
-    def press(self, budget: float):
+    def press(self, budget: float, window: int | None, kernel: int | None):
+        """SnapKVPress at kvpress's defaults (window 64, kernel 5) unless window / kernel are given."""
         from kvpress import SnapKVPress
 
-        return SnapKVPress(compression_ratio=1.0 - budget)
+        opts = {k: v for k, v in (("window_size", window), ("kernel_size", kernel)) if v is not None}
+        return SnapKVPress(compression_ratio=1.0 - budget, **opts)
 
     def run(self, tokens: list[int], gen: int, press) -> Run:
         """Query-aware: prefill tokens[:-1] under the press (kvpress's pipeline: model.model, no LM
@@ -194,7 +196,12 @@ def _prompts(model, tokens: int, n: int, seed: int):
     return [prompter.prompt(s) for s in samples]
 
 
-def _check(tokens, budget, n, gen, threads, seed) -> None:
+def _check(tokens, budget, n, gen, threads, seed, window, kernel) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"--kvpress-window must be an int >= 1, got {window!r}")
+    if kernel is not None and (isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1
+                               or kernel % 2 == 0):
+        raise ValueError(f"--kvpress-kernel must be an odd int >= 1, got {kernel!r}")
     for name, v, low in (("tokens", tokens, 256), ("n", n, 1), ("gen", gen, 1), ("threads", threads, 1),
                          ("seed", seed, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -209,14 +216,15 @@ def _median(xs) -> float:
 
 
 def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int = 20, gen: int = 32,
-                   threads: int = 2, seed: int = 42, progress: Progress | None = None) -> dict:
+                   threads: int = 2, seed: int = 42, kvpress_window: int | None = None,
+                   kvpress_kernel: int | None = None, progress: Progress | None = None) -> dict:
     """Time (prefill + compression + gen greedy tokens) and needle accuracy of page-local and kvpress,
     SnapKV at the same budget, on n niah_single_1 prompts of about `tokens` tokens."""
     from .eval import scoring
     from .eval.scoring import normalize_prediction
     from .runtime import Model
 
-    _check(tokens, budget, n, gen, threads, seed)
+    _check(tokens, budget, n, gen, threads, seed, kvpress_window, kvpress_kernel)
     require_peer()
     import kvpress
     import torch
@@ -232,7 +240,7 @@ def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int 
         say(f"{len(prompts)} {TASK} prompts of {min(p.n for p in prompts)}-{max(p.n for p in prompts)} tokens; "
             f"loading {model_path.name} into transformers (float32)")
         peer = _KVPress(model_path, threads, pl.eng.model.is_eog)
-        press = peer.press(budget)
+        press = peer.press(budget, kvpress_window, kvpress_kernel)
         # warm-up (first graph build, allocator, oneDNN kernels): a short prompt through each system
         warm = prompts[0].tokens[:256]
         pl.run(warm, 2, True)
@@ -285,6 +293,7 @@ def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int 
         "T_max": max(r["T"] for r in rows),
         "budget": budget,
         "kvpress_compression_ratio": round(1.0 - budget, 6),
+        "kvpress_press": repr(press),
         "gen": gen,
         "threads": threads,
         "seed": seed,
@@ -352,7 +361,7 @@ def describe(r: dict) -> str:
         f"{r['n']} {r['task']} prompts of {r['T_min']}-{r['T_max']} tokens ({r['model']}), SnapKV to "
         f"{r['budget']:g} (page-local keeps {r['page_local_kept']} positions shared by all heads, kvpress "
         f"{r['kvpress_kept_per_kv_head']} per KV head), {r['gen']} greedy tokens, {r['threads']} threads; "
-        f"kvpress {r['versions']['kvpress']}, torch {r['versions']['torch']} (float32)",
+        f"kvpress {r['versions']['kvpress']} {r['kvpress_press']}, torch {r['versions']['torch']} (float32)",
         f"time for prefill + compression + {r['gen']} tokens, median per prompt (alternated): page-local "
         f"{r['page_local_s']:.2f} s, kvpress {r['kvpress_s']:.2f} s",
         f"{faster} (time_kvpress / time_page_local = {r['speedup']:.2f}, paired median "

@@ -28,6 +28,7 @@ def test_missing_extra_is_one_line(cli, monkeypatch, hidden):
 def test_bad_options_are_usage_errors(cli):
     one_line_error(cli("bench", "peer", "--budget", "1"), 2, "--budget")
     one_line_error(cli("bench", "peer", "--tokens", "100"), 2, "--tokens")
+    one_line_error(cli("bench", "peer", "--kvpress-kernel", "4"), 2, "--kvpress-kernel must be an odd int")
 
 
 def _peer_installed() -> bool:
