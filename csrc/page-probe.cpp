@@ -50,12 +50,16 @@ struct layer_capture {
 };
 
 // R_h factors of the output projection, one F32 [d_v, d_v, n_head] tensor per layer (row-major R_h),
-// on the device that holds the layer's W_O
+// on the device that holds the layer's W_O; beside them, per layer, F32 [n_ctx, n_head]: ||R_h v||^2
+// of every cell's value, cached by the first cost decode of a lookahead (the prompt's values do not
+// change while futures are decoded, and this d_v^2-per-cell product is the probe's dominant cost)
 struct out_proj {
     std::vector<ggml_context *>         ctxs;
     std::vector<ggml_backend_buffer_t>  bufs;
     std::vector<ggml_tensor *>          r;
+    std::vector<ggml_tensor *>          vn;
     int64_t                             d_v = 0;
+    int64_t                             n_cells = 0; // rows of vn
 
     out_proj() = default;
     out_proj(const out_proj &) = delete;
@@ -77,6 +81,9 @@ struct probe_state {
     int32_t      top_k     = 32;
     bool         keep_rows = false;
     bool         cost_mode = false; // armed with llama_page_probe_arm_cost (seq_id is the target sequence)
+    bool         vn_reuse  = false; // the armed cost decode reads the cached value norms
+    bool         vn_valid  = false; // the cache holds the norms of the cells named by vn_key
+    uint64_t     vn_key    = 0;
     std::unique_ptr<out_proj> proj;
 
     // the armed decode
@@ -85,6 +92,7 @@ struct probe_state {
     std::vector<llama_pos>     queries;
     std::vector<layer_capture> layers;
     bool                       graph_has_probe = false;
+    ggml_cgraph *              build_gf = nullptr; // the graph being built (cost mode adds cache writes)
 
     // the result
     bool                   has_result = false;
@@ -152,6 +160,30 @@ const probe_state * attention_result_of(const llama_context * ctx) {
     return st;
 }
 
+// a fingerprint of the (position, cell) pairs of seq_id in every cache of the context
+uint64_t cells_key(const llama_context * ctx, llama_seq_id seq_id) {
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](uint64_t x) { h = (h ^ x) * 1099511628211ull; };
+    const llama_kv_cache * base = page_layer_cache(ctx, -1);
+    const int n_layer = (int) ctx->get_model().hparams.n_layer();
+    const llama_kv_cache * swa = nullptr;
+    for (int il = 0; il < n_layer && !swa; ++il) {
+        const llama_kv_cache * kv = page_layer_cache(ctx, il);
+        swa = kv != base ? kv : nullptr;
+    }
+    for (const llama_kv_cache * kv : { base, swa }) {
+        if (!kv) {
+            continue;
+        }
+        for (const auto & [pos, cell] : kv->get_cells(seq_id).seq_pos_get(seq_id)) {
+            mix((uint64_t) (uint32_t) pos);
+            mix((uint64_t) cell);
+        }
+        mix(0xffffffffull);
+    }
+    return h;
+}
+
 // Cost mode: per layer F32 [n_kv, n_query] on the device -> [n_layer, n_query, n_pos] over the
 // positions of the target sequence (cells mapped through each layer's own cache).
 std::string collect_costs(llama_context * ctx, probe_state & st) {
@@ -194,6 +226,9 @@ std::string collect_costs(llama_context * ctx, probe_state & st) {
     st.topk_score.clear();
     st.rows.clear();
     st.has_costs = true;
+    // every cost decode leaves the value norms of all its cells in the cache (computed or reused)
+    st.vn_valid = true;
+    st.vn_key   = cells_key(ctx, st.seq_id);
     return "";
 }
 
@@ -332,9 +367,11 @@ std::string collect(llama_context * ctx, probe_state & st) {
 }
 
 // Deletion cost of every key for every query, summed over heads: F32 [n_kv, n_query]. a = kq
-// [n_kv, n_q, n_head] (the softmax), v as given to build_attn_mha (after its permute).
+// [n_kv, n_q, n_head] (the softmax), v as given to build_attn_mha (after its permute). With
+// G_h = R_h^T R_h:  ||R_h (v_p - o)||^2 = ||R_h v_p||^2 - 2 v_p . (G_h o) + o . (G_h o).
 ggml_tensor * build_costs(ggml_context * ctx0, probe_state * st, ggml_tensor * a, ggml_tensor * v, bool v_trans, int il) {
-    ggml_tensor * r = st->proj && il < (int) st->proj->r.size() ? st->proj->r[il] : nullptr;
+    out_proj * proj = st->proj.get();
+    ggml_tensor * r = proj && il < (int) proj->r.size() ? proj->r[il] : nullptr;
     const int64_t d_v    = v_trans ? v->ne[1] : v->ne[0];
     const int64_t n_kv   = a->ne[0];
     const int64_t n_q    = a->ne[1];
@@ -344,15 +381,30 @@ ggml_tensor * build_costs(ggml_context * ctx0, probe_state * st, ggml_tensor * a
                           " (call llama_page_set_out_proj first)";
         return nullptr;
     }
+    if (n_kv > proj->n_cells) {
+        st->batch_error = "internal: the deletion-cost probe's value-norm cache is smaller than the KV cache";
+        return nullptr;
+    }
     // values in F32, [d_v, n_kv, n_head_kv] and [n_kv, d_v, n_head_kv] (the cache may hold F16)
     ggml_tensor * vd = ggml_cast(ctx0, v_trans ? ggml_transpose(ctx0, v) : v, GGML_TYPE_F32);
     ggml_tensor * vt = ggml_cont(ctx0, ggml_transpose(ctx0, vd));
-    ggml_tensor * o  = ggml_mul_mat(ctx0, vt, a);                                         // [d_v, n_q, H]  head outputs
-    ggml_tensor * rv = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_mul_mat(ctx0, vd, r))); // [d_v, n_kv, H] R_h v_p (GQA broadcast)
-    ggml_tensor * ro = ggml_mul_mat(ctx0, r, o);                                          // [d_v, n_q, H]  R_h o
-    ggml_tensor * vn = ggml_reshape_3d(ctx0, ggml_sum_rows(ctx0, ggml_sqr(ctx0, rv)), n_kv, 1, n_head);
-    ggml_tensor * on = ggml_sum_rows(ctx0, ggml_sqr(ctx0, ro));                           // [1, n_q, H]
-    ggml_tensor * d2 = ggml_scale(ctx0, ggml_mul_mat(ctx0, rv, ro), -2.0f);               // [n_kv, n_q, H]
+    ggml_tensor * rt = ggml_cont(ctx0, ggml_transpose(ctx0, r));
+    ggml_tensor * g  = ggml_mul_mat(ctx0, rt, rt);                                        // [d_v, d_v, H] G_h
+    ggml_tensor * o  = ggml_mul_mat(ctx0, vt, a);                                         // [d_v, n_q, H] head outputs
+    ggml_tensor * go = ggml_mul_mat(ctx0, g, o);                                          // [d_v, n_q, H] G_h o
+    ggml_tensor * on = ggml_sum_rows(ctx0, ggml_mul(ctx0, o, go));                        // [1, n_q, H]
+    ggml_tensor * d2 = ggml_scale(ctx0, ggml_mul_mat(ctx0, vd, go), -2.0f);               // [n_kv, n_q, H] (GQA broadcast)
+
+    ggml_tensor * vn_cache = ggml_view_3d(ctx0, proj->vn[il], n_kv, 1, n_head,
+                                          proj->vn[il]->nb[1], proj->vn[il]->nb[1], 0); // [n_kv, 1, H]
+    ggml_tensor * vn;
+    if (st->vn_reuse) {
+        vn = vn_cache;
+    } else {
+        ggml_tensor * rv = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_mul_mat(ctx0, vd, r))); // [d_v, n_kv, H] R_h v_p
+        vn = ggml_reshape_3d(ctx0, ggml_sum_rows(ctx0, ggml_sqr(ctx0, rv)), n_kv, 1, n_head);
+        ggml_build_forward_expand(st->build_gf, ggml_cpy(ctx0, vn, vn_cache));
+    }
     d2 = ggml_add(ctx0, ggml_add(ctx0, d2, vn), on);
     ggml_tensor * dist = ggml_sqrt(ctx0, ggml_relu(ctx0, d2));
     ggml_tensor * w = ggml_div(ctx0, a, ggml_clamp(ctx0, ggml_scale_bias(ctx0, a, -1.0f, 1.0f), 1e-6f, 1.0f));
@@ -455,6 +507,7 @@ void llama_page_probe_attn(ggml_context * ctx0, ggml_cgraph * gf,
     ggml_soft_max_add_sinks(kq, sinks);
 
     if (st->cost_mode) {
+        st->build_gf = gf;
         ggml_tensor * t = build_costs(ctx0, st, kq, v, v_trans, il);
         if (t) {
             ggml_format_name(t, "page_cost-%d", il);
@@ -590,6 +643,7 @@ int32_t llama_page_set_out_proj(llama_context * ctx, const float * r, int64_t n)
         probe_state & st = get_state(ctx);
         if (!r) {
             st.proj.reset();
+            st.vn_valid = false;
             return LLAMA_PAGE_OK;
         }
         for (int32_t il = 0; il < n_layer; ++il) {
@@ -612,13 +666,15 @@ int32_t llama_page_set_out_proj(llama_context * ctx, const float * r, int64_t n)
             }
         }
         auto proj = std::make_unique<out_proj>();
-        proj->d_v = d_v;
+        proj->d_v     = d_v;
+        proj->n_cells = (int64_t) ctx->n_ctx();
+        st.vn_valid   = false;
         std::map<ggml_backend_buffer_type_t, ggml_context *> by_buft;
         for (int32_t il = 0; il < n_layer; ++il) {
             ggml_backend_buffer_type_t buft = proj_buft(model, il);
             ggml_context *& c = by_buft[buft];
             if (!c) {
-                ggml_init_params params = { ggml_tensor_overhead() * (size_t) n_layer, nullptr, true };
+                ggml_init_params params = { ggml_tensor_overhead() * (size_t) n_layer * 2, nullptr, true };
                 c = ggml_init(params);
                 if (!c) {
                     throw std::runtime_error("ggml_init failed");
@@ -628,6 +684,9 @@ int32_t llama_page_set_out_proj(llama_context * ctx, const float * r, int64_t n)
             ggml_tensor * t = ggml_new_tensor_3d(c, GGML_TYPE_F32, d_v, d_v, n_head);
             ggml_format_name(t, "page_out_proj-%d", il);
             proj->r.push_back(t);
+            ggml_tensor * vn = ggml_new_tensor_2d(c, GGML_TYPE_F32, proj->n_cells, n_head);
+            ggml_format_name(vn, "page_value_norms-%d", il);
+            proj->vn.push_back(vn);
         }
         for (auto & [buft, c] : by_buft) {
             ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
@@ -701,7 +760,7 @@ int32_t llama_page_out_proj_weight(const llama_context * ctx, int32_t il, float 
     return LLAMA_PAGE_OK;
 }
 
-int32_t llama_page_probe_arm_cost(llama_context * ctx, llama_seq_id target_seq) {
+int32_t llama_page_probe_arm_cost(llama_context * ctx, llama_seq_id target_seq, bool reuse_value_norms) {
     page_set_error("");
     if (int32_t rc = page_check_seq(ctx, target_seq); rc != LLAMA_PAGE_OK) {
         return rc;
@@ -712,6 +771,8 @@ int32_t llama_page_probe_arm_cost(llama_context * ctx, llama_seq_id target_seq) 
             page_set_error("the deletion-cost probe needs the output-projection factors: call llama_page_set_out_proj first");
             return LLAMA_PAGE_ERR_INVALID_ARG;
         }
+        // reuse only what is known to be the norms of exactly these cells
+        st.vn_reuse   = reuse_value_norms && st.vn_valid && st.vn_key == cells_key(ctx, target_seq);
         st.armed      = true;
         st.cost_mode  = true;
         st.seq_id     = target_seq;

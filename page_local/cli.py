@@ -145,6 +145,26 @@ def bench_verify(model, tokens, m, repeats, threads, as_json):
                      f"{r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {repeats})")
 
 
+@bench.command("lorekv")
+@model_option
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=256))
+@click.option("--budget", default="0.25", show_default=True, type=BudgetType())
+@click.option("--futures", default=4, show_default=True, type=click.IntRange(1, 8))
+@click.option("--lookahead-tokens", default=32, show_default=True, type=click.IntRange(1, 512))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@_threads_option
+@_json_option
+def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, threads, as_json):
+    """LORE-KV's one-time cost (prompt to eviction) as a ratio to SnapKV's (paper: 1.46-2.77x)."""
+    from .bench import lorekv_overhead
+
+    _bench(as_json, lambda: lorekv_overhead(resolve_model(model), tokens=tokens, budget=budget, futures=futures,
+                                            lookahead_tokens=lookahead_tokens, repeats=repeats, threads=threads),
+           lambda r: f"{r['tokens']}-token prompt to eviction: SnapKV {r['snapkv_ms']:.0f} ms, LORE-KV "
+                     f"{r['lorekv_ms']:.0f} ms ({r['futures']} futures x {r['lookahead_tokens']} tokens: "
+                     f"{r['lookahead_ms']:.0f} ms), ratio {r['ratio']:.2f} (median of {repeats})")
+
+
 @bench.command("memory")
 @model_option
 @click.option("--tokens", default=8192, show_default=True, type=click.IntRange(min=256))

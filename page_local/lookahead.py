@@ -130,7 +130,7 @@ def run_lookahead(ctx, seq: int, last_logits: np.ndarray, spec: LookaheadSpec, o
             active = [s for s in range(S) if nxt[s] is not None]
             if not active:
                 break
-            page.arm_cost_probe(seq)
+            page.arm_cost_probe(seq, reuse_value_norms=t > 0)  # the prompt's cells do not change
             ctx.decode_step([nxt[s] for s in active], [pos0 + t] * len(active), [seqs[s] for s in active])
             got_pos, _, c = page.read_costs()  # (n_layer, n_active, n_pos)
             if not np.array_equal(got_pos, positions):

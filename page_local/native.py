@@ -126,9 +126,10 @@ class PageOps:
         self._check(lib.llama_page_out_proj_weight(self._ctx, int(il), _ptr(ffi, "float *", out), out.size))
         return out
 
-    def arm_cost_probe(self, target_seq: int) -> None:
-        """Arm the deletion-cost probe for the next decode (any sequences; costs over target_seq)."""
-        self._check(self._lib.llama_page_probe_arm_cost(self._ctx, int(target_seq)))
+    def arm_cost_probe(self, target_seq: int, reuse_value_norms: bool = False) -> None:
+        """Arm the deletion-cost probe for the next decode (any sequences; costs over target_seq).
+        reuse_value_norms: keep the previous cost decode's ||R v||^2 if target_seq's cells are unchanged."""
+        self._check(self._lib.llama_page_probe_arm_cost(self._ctx, int(target_seq), bool(reuse_value_norms)))
 
     def read_costs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(positions i32 (n_pos,), queries i32 (n_query,), costs f32 (n_layer, n_query, n_pos)):

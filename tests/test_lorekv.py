@@ -89,26 +89,43 @@ def test_deletion_cost_equals_float64_reference(tiny, mode, flash_attn):
 
 
 def test_costs_of_futures_that_share_the_prompt(tiny):
-    """Two sampled-continuation-like sequences share the prompt's cells; one batch holds a token of
-    each. Their costs over the prompt equal the reference of prompt + that token."""
+    """Two sampled-continuation-like sequences share the prompt's cells; each batch holds a token of
+    each. Their costs over the prompt equal the reference of prompt + that future, on the first step
+    (value norms computed) and the second (value norms reused from the first)."""
     prompt = np.random.default_rng(3).integers(tm.N_SPECIAL, tiny.n_vocab, size=PREFIX).tolist()
-    ys = [tm.N_SPECIAL + 5, tm.N_SPECIAL + 40]
+    steps = [[tm.N_SPECIAL + 5, tm.N_SPECIAL + 40], [tm.N_SPECIAL + 7, tm.N_SPECIAL + 9]]
+    got = []
     with Model(tiny.path) as model, Context(model, ContextConfig(
             n_ctx=1024, n_seq_max=3, threads=THREADS, flash_attn="off", type_kv="f32")) as ctx:
         ctx.page.set_out_proj(out_proj_factors(tiny.path, "wo"))
         ctx.decode(prompt, 0, logits="none")
         for s in (1, 2):
             ctx.seq_cp(0, s)
-        ctx.page.arm_cost_probe(0)
-        ctx.decode_step(ys, [PREFIX, PREFIX], [1, 2])
-        pos, _, got = ctx.page.read_costs()
+        for t, ys in enumerate(steps):
+            ctx.page.arm_cost_probe(0, reuse_value_norms=t > 0)
+            ctx.decode_step(ys, [PREFIX + t] * 2, [1, 2])
+            pos, _, c = ctx.page.read_costs()
+            assert pos.tolist() == list(range(PREFIX))
+            got.append(c)
         assert ctx.cells_used(0) == PREFIX  # the futures' tokens are not in the target sequence
-    assert pos.tolist() == list(range(PREFIX))
-    for i, y in enumerate(ys):
-        ref = tm.reference_forward(tiny, prompt + [y])
-        want = reference_costs(tiny, ref, [PREFIX], np.arange(PREFIX), "wo")[:, 0, :]
-        err = np.abs(got[:, i, :] - want).max() / np.abs(want).max()
-        assert err <= _bound(tiny), f"future {i}: relative error {err:.2e}"
+        # a stale cache is never used: after the target changes, "reuse" recomputes
+        ctx.page.evict(0, [10])
+        ctx.seq_rm(1, PREFIX, -1)
+        ctx.seq_rm(2, PREFIX, -1)
+        for reuse in (True, False):
+            ctx.seq_rm(1, PREFIX, -1)
+            ctx.page.arm_cost_probe(0, reuse_value_norms=reuse)
+            ctx.decode_step([steps[0][0]], [PREFIX], [1])
+            pos, _, c = ctx.page.read_costs()
+            got.append(c)
+        np.testing.assert_array_equal(got[2], got[3])
+        assert 10 not in pos
+    for t in range(2):
+        for i in range(2):
+            ref = tm.reference_forward(tiny, prompt + [steps[u][i] for u in range(t + 1)])
+            want = reference_costs(tiny, ref, [PREFIX + t], np.arange(PREFIX), "wo")[:, 0, :]
+            err = np.abs(got[t][:, i, :] - want).max() / np.abs(want).max()
+            assert err <= _bound(tiny), f"step {t}, future {i}: relative error {err:.2e}"
 
 
 def test_out_proj_factors_preserve_the_projected_norm(smollm2, make_ctx, smollm2_path):

@@ -100,7 +100,11 @@ LLAMA_API int32_t llama_page_out_proj_weight(const struct llama_context * ctx, i
 // The result replaces any previous one; read it with llama_page_probe_get_info (n_pos, n_query,
 // has_costs = 1), llama_page_probe_get_positions, llama_page_probe_get_queries and:
 //   costs : f32 [n_layer, n_query, n_pos]
-LLAMA_API int32_t llama_page_probe_arm_cost(struct llama_context * ctx, llama_seq_id target_seq);
+// reuse_value_norms: take ||R_h v_p||^2 from the previous cost decode instead of recomputing it (the
+// dominant cost: d_v^2 per cell and head). Honoured only when the previous cost decode on this context
+// saw exactly the same (position, cell) pairs of target_seq; otherwise they are recomputed. Cells keep
+// their values while they hold a position, so this is exact across the steps of one lookahead.
+LLAMA_API int32_t llama_page_probe_arm_cost(struct llama_context * ctx, llama_seq_id target_seq, bool reuse_value_norms);
 LLAMA_API int32_t llama_page_probe_get_costs(const struct llama_context * ctx, float * costs, int64_t n);
 
 // Remove exactly the given positions from seq_id, in one call. Cells that other sequences share
