@@ -295,3 +295,14 @@ def test_verify_with_lorekv_streams_the_full_cache_tokens(engine):
     r = engine.generate(NEEDLE, max_tokens=10)
     assert r.decision.verify_m == min(10, len(full)) and r.decision.verify_delta is not None
     assert r.tokens == full
+
+
+def test_run_with_lorekv_from_the_cli(cli):
+    import json
+
+    prompt = "The grass is green. The sky is blue. " * 24
+    res = cli("run", "--prompt", prompt, "--json", "--gate", "always", "--evictor", "lorekv", "--budget", "0.5",
+              "--max-tokens", "4", "--threads", "1", "--n-ctx", "512")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)["decision"]
+    assert d["evictor"] == "lorekv" and d["evicted"] and d["lookahead_ms"] > 0 and d["kept"] == d["B"]
