@@ -28,7 +28,7 @@ def main():
 @click.option("--budget", default="0.25", show_default=True, type=BudgetType(),
               help="Kept positions when the gate opens: a ratio (0.25) or a count (1024).")
 @click.option("--evictor", default="snapkv", show_default=True, type=click.Choice(sorted(_EVICTOR_NAMES)))
-@click.option("--gate", "gate", default="page", show_default=True, type=click.Choice(list(GATE_MODES)),
+@click.option("--gate", "gate", default="verify", show_default=True, type=click.Choice(list(GATE_MODES)),
               help="page: evict when PAGE says it is safe; always / never: force it.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--n-ctx", default=4096, show_default=True, type=click.IntRange(min=1))

@@ -143,7 +143,7 @@ class Engine:
     """A model, a context and the PAGE pipeline. Not thread-safe: use one engine per thread."""
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096, budget: float | int = 0.25,
-                 evictor: str = "snapkv", gate: str = "page", threads: int = 2, flash_attn: str = "auto",
+                 evictor: str = "snapkv", gate: str = "verify", threads: int = 2, flash_attn: str = "auto",
                  type_kv: str = "f16", seed: int = 0, evictor_options: dict | None = None,
                  verify_tokens: int = VERIFY_M, verify_threshold: float = VERIFY_DELTA, compact: bool = True):
         path = Path(model) if model is not None else models.default_model_path()

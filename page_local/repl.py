@@ -465,7 +465,7 @@ def terminal_reader(input=None, output=None) -> Callable[[str], str]:
 @click.option("--budget", type=BudgetType(), default="0.25", show_default=True,
               help="cells kept when the gate opens: a ratio in (0, 1] or a count")
 @click.option("--evictor", type=click.Choice(sorted(EVICTORS)), default="snapkv", show_default=True)
-@click.option("--gate", type=click.Choice(MODES), default="page", show_default=True,
+@click.option("--gate", type=click.Choice(MODES), default="verify", show_default=True,
               help="page: PAGE decides per turn; always/never: forced")
 @click.option("--n-ctx", default=4096, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))

@@ -24,7 +24,7 @@ from page_local.native import InvalidArgument, ProbeError  # noqa: E402
 from page_local.outproj import context_out_proj_factors, head_factor, out_proj_factors  # noqa: E402
 from page_local.runtime import Context, ContextConfig, Model  # noqa: E402
 
-from conftest import random_tokens  # noqa: E402
+from tests.conftest import random_tokens  # noqa: E402
 
 PREFIX, Q = 300, 8
 THREADS = 2
