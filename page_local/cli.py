@@ -66,9 +66,15 @@ def run(model, prompt, prompt_file, budget, evictor, gate, max_tokens, n_ctx, th
     else:
         click.echo("")
         D = "n/a" if d.D is None else f"{d.D:.4f}"
-        click.echo(f"[gate {'open' if d.open else 'closed'} (D = {D}, {d.rule}); kept {d.kept} of {d.T} "
-                   f"positions; {len(res.tokens)} tokens at {res.tokens_per_s:.1f} tok/s; "
-                   f"finish: {res.finish_reason}]", err=True)
+        if d.gate_mode in ("verify", "page+verify") and d.verify_delta is not None and d.verify_m:
+            what = (f"verify {'committed' if d.evicted else 'kept the full cache'} "
+                    f"(delta = {d.verify_delta:.4f} nats/token over {d.verify_m} tokens, D = {D})")
+        elif d.gate_mode in ("verify", "page+verify") and d.open and d.T <= d.B:
+            what = f"verify: nothing to evict (T = {d.T} <= B = {d.B}, D = {D})"
+        else:
+            what = f"gate {'open' if d.open else 'closed'} (D = {D}, {d.rule})"
+        click.echo(f"[{what}; kept {d.kept} of {d.T} positions; {len(res.tokens)} tokens at "
+                   f"{res.tokens_per_s:.1f} tok/s; finish: {res.finish_reason}]", err=True)
 
 
 @main.group()
