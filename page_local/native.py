@@ -175,7 +175,8 @@ class PageOps:
         return out
 
     def compact(self, seq_id: int) -> None:
-        """Move seq_id's cells down so the attended range shrinks; outputs are unchanged."""
+        """Move every used cell of seq_id's KV stream down to the lowest cells, in place and in order
+        (shared cells stay shared), so the attended range shrinks; positions and outputs are unchanged."""
         self._check(self._lib.llama_page_compact(self._ctx, int(seq_id)))
 
 

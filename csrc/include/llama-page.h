@@ -123,10 +123,21 @@ LLAMA_API int32_t llama_page_seq_positions(const struct llama_context * ctx, lla
 // Positions that a sliding-window layer's cache no longer holds are 0 in that layer.
 LLAMA_API int32_t llama_page_key_norms(const struct llama_context * ctx, llama_seq_id seq_id, float * out, int64_t n);
 
-// Rewrite seq_id's cells so they occupy the lowest free cells (state save, remove, restore).
-// Positions, outputs and the cache contents of the sequence are unchanged; what shrinks is the
-// attended range n_kv when eviction left holes. A sequence that shared cells with another one
-// gets its own copies afterwards.
+// Compact, in place, the KV cache stream that holds seq_id (with a unified cache: the whole cache;
+// for a sliding-window model both its full-attention and its SWA cache): every used cell, of every
+// sequence in the stream, moves down so that the used cells are exactly cells 0..n_used-1, in
+// their previous order. K and V rows are copied inside the cache tensors through a host staging
+// buffer of about 1 MiB (never the whole cache). Each cell keeps its position, its sequences (a
+// cell shared by several sequences stays one shared cell), and any pending shift. The next token
+// is placed right after the packed cells. The cells end up as a whole-context llama_state_get_data
+// + llama_state_set_data would leave them. What shrinks is the attended range n_kv when eviction
+// left holes; next-token outputs are those before compaction up to float rounding (the sums over
+// the cache run in another order; bit-identical on CPU with flash attention off and an f16 cache
+// in page-local's tests). An already compact stream is left untouched.
+//   LLAMA_PAGE_ERR_UNSUPPORTED (nothing was changed): a cross-stream llama_memory_seq_cp is still
+//   pending, or a llama_memory_seq_div left a pending shift that cannot be re-created in another
+//   cell (run llama_decode once first); or the cache shares its cells with another cache.
+// Do not call it while another thread decodes on ctx.
 LLAMA_API int32_t llama_page_compact(struct llama_context * ctx, llama_seq_id seq_id);
 
 // Message of the last failure on this thread ("" if none). Valid until the next llama_page_* call.
