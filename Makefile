@@ -17,7 +17,7 @@ LIB      := $(BUILD)/bin/libllama.so
 JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 export CCACHE_DIR ?= $(CACHE)/ccache
 
-.PHONY: setup native chat test test-fast fuzz test-asan clean distclean
+.PHONY: setup native chat test test-fast fuzz test-asan bench-peer clean distclean
 
 setup: $(VENV)/.stamp-page-local native $(VENV)/.stamp-model
 
@@ -83,6 +83,20 @@ test-asan: setup
 	PAGE_LOCAL_FUZZ_EXAMPLES=100 \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_bindings.py tests/test_native.py \
 	        tests/test_probe_fidelity.py tests/test_fuzz.py tests/test_compact.py
+
+# page-local vs NVIDIA kvpress (SnapKVPress in PyTorch, CPU) on the same GGUF, budget and needle prompts.
+# Installs the optional [peer] extra (torch, transformers, kvpress) into the venv first. TORCH_INDEX: an
+# index for a CPU-only torch wheel (e.g. https://download.pytorch.org/whl/cpu); PyPI's is ~4 GB with CUDA.
+# PEER_ARGS: options for the benchmark, e.g. PEER_ARGS="--n 4 --json".
+TORCH_INDEX ?=
+PEER_ARGS   ?=
+$(VENV)/.stamp-peer: pyproject.toml $(VENV)/.stamp-page-local
+	$(if $(TORCH_INDEX),$(BIN)/pip install -q torch --index-url $(TORCH_INDEX))
+	$(BIN)/pip install -q --no-build-isolation -e ".[test,peer]"
+	touch $@
+
+bench-peer: setup $(VENV)/.stamp-peer
+	$(BIN)/page-local bench peer $(PEER_ARGS)
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD)

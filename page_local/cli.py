@@ -188,6 +188,32 @@ def bench_memory(model, tokens, compact, threads, as_json):
                      f"{r['free_cells_full_cache']} full, {r['free_cells_after_eviction']} after eviction")
 
 
+@bench.command("peer")
+@model_option
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=256),
+              help="Prompt length target (chat template included), as `eval run --length`.")
+@click.option("--budget", default=0.25, show_default=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Kept ratio; kvpress gets compression_ratio = 1 - budget.")
+@click.option("--n", "n", default=20, show_default=True, type=click.IntRange(min=1), help="Needle prompts.")
+@click.option("--gen", default=32, show_default=True, type=click.IntRange(min=1), help="Greedy tokens per prompt.")
+@click.option("--seed", default=42, show_default=True, type=click.IntRange(min=0))
+@click.option("--kvpress-window", default=None, type=click.IntRange(min=1),
+              help="SnapKVPress window_size (default: kvpress's, 64; page-local's is 32).")
+@click.option("--kvpress-kernel", default=None, type=click.IntRange(min=1),
+              help="SnapKVPress kernel_size, odd (default: kvpress's, 5; 1 = no pooling, as page-local).")
+@_threads_option
+@_json_option
+def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kernel, threads, as_json):
+    """page-local vs NVIDIA kvpress (SnapKVPress, PyTorch) on the same GGUF, budget and needle prompts:
+    time per prompt and accuracy. Needs the optional extra: pip install 'page-local[peer]'."""
+    from .bench_peer import describe, peer_benchmark
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: peer_benchmark(path, tokens=tokens, budget=budget, n=n, gen=gen, threads=threads,
+                                           seed=seed, kvpress_window=kvpress_window, kvpress_kernel=kvpress_kernel,
+                                           progress=lambda m: click.echo(m, err=True)), describe)
+
+
 def _register() -> None:
     from .repl import chat
 
