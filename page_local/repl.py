@@ -44,7 +44,7 @@ Ctrl-C stops an answer (the partial answer stays); Ctrl-C at the prompt clears t
 /help                 this text
 /clear                start a new conversation (drops a pending /read document too)
 /system [TEXT]        set the system prompt (re-prefills the conversation); alone: show it; '-' removes it
-/set [KEY VALUE]      budget (0.25 = ratio, 1024 = cells), evictor, gate (page|always|never),
+/set [KEY VALUE]      budget (0.25 = ratio, 1024 = cells), evictor, gate (verify|page|page+verify|always|never),
                       temperature, max-tokens; alone: show the settings. They apply from the next turn.
 /stats                the last gate decision in full, with timings
 /gate                 the last gate decision in plain words
