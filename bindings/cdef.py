@@ -29,6 +29,7 @@ struct llama_page_probe_info {
     int32_t n_pos;
     int32_t n_query;
     int32_t has_rows;
+    int32_t has_costs;
 };
 
 int32_t llama_page_probe_arm(struct llama_context * ctx, llama_seq_id seq_id, int32_t top_k, bool keep_rows);
@@ -39,6 +40,10 @@ int32_t llama_page_probe_get_queries  (const struct llama_context * ctx, llama_p
 int32_t llama_page_probe_get_mean     (const struct llama_context * ctx, float     * mean,      int64_t n);
 int32_t llama_page_probe_get_topk     (const struct llama_context * ctx, llama_pos * topk_pos, float * topk_score, int64_t n);
 int32_t llama_page_probe_get_rows     (const struct llama_context * ctx, float     * rows,      int64_t n);
+int32_t llama_page_set_out_proj(struct llama_context * ctx, const float * r, int64_t n);
+int32_t llama_page_out_proj_weight(const struct llama_context * ctx, int32_t il, float * out, int64_t n);
+int32_t llama_page_probe_arm_cost(struct llama_context * ctx, llama_seq_id target_seq, bool reuse_value_norms);
+int32_t llama_page_probe_get_costs(const struct llama_context * ctx, float * costs, int64_t n);
 int32_t llama_page_evict(struct llama_context * ctx, llama_seq_id seq_id, const llama_pos * positions, int32_t n);
 int32_t llama_page_seq_positions(const struct llama_context * ctx, llama_seq_id seq_id, llama_pos * out, int32_t n);
 int32_t llama_page_key_norms(const struct llama_context * ctx, llama_seq_id seq_id, float * out, int64_t n);

@@ -1,5 +1,5 @@
-// page-evict.cpp — sequence-level removal of arbitrary positions, compaction, and the helpers
-// shared with the probe (see llama-page.h for the contract).
+// page-evict.cpp — sequence-level removal of arbitrary positions and the helpers shared with the
+// probe and compaction (see llama-page.h for the contract).
 
 #include "llama-page.h"
 #include "page-hooks.h"
@@ -141,30 +141,6 @@ int32_t llama_page_evict(llama_context * ctx, llama_seq_id seq_id, const llama_p
                 page_set_error("internal: llama_memory_seq_rm refused [" + std::to_string(p0) + ", " + std::to_string(p1) + ")");
                 return LLAMA_PAGE_ERR_INTERNAL;
             }
-        }
-        return LLAMA_PAGE_OK;
-    } catch (const std::exception & e) {
-        page_set_error(std::string("internal: ") + e.what());
-        return LLAMA_PAGE_ERR_INTERNAL;
-    }
-}
-
-int32_t llama_page_compact(llama_context * ctx, llama_seq_id seq_id) {
-    page_set_error("");
-    if (int32_t rc = page_check_seq(ctx, seq_id); rc != LLAMA_PAGE_OK) {
-        return rc;
-    }
-    try {
-        const size_t size = llama_state_seq_get_size(ctx, seq_id);
-        std::vector<uint8_t> buf(size);
-        if (llama_state_seq_get_data(ctx, buf.data(), buf.size(), seq_id) != size) {
-            page_set_error("internal: could not save the sequence state; nothing was changed");
-            return LLAMA_PAGE_ERR_INTERNAL;
-        }
-        // state_seq_set_data removes the sequence itself and writes it back into the lowest free cells
-        if (llama_state_seq_set_data(ctx, buf.data(), buf.size(), seq_id) == 0) {
-            page_set_error("internal: could not restore the sequence state after compaction; the sequence was cleared");
-            return LLAMA_PAGE_ERR_INTERNAL;
         }
         return LLAMA_PAGE_OK;
     } catch (const std::exception & e) {

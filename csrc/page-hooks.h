@@ -20,10 +20,12 @@ void llama_page_decode_end  (llama_context * ctx, int32_t ret);
 bool llama_page_ubatch_begin(llama_context * ctx, const llama_ubatch & ubatch);
 
 // llm_graph_context::build_attn_mha(): q [d, n_tokens, n_head, n_stream], k [d, n_kv, n_head_kv,
-// n_stream] (already permuted), the layer's mask, scale, optional KQ bias and sinks. Adds the
-// probe's side computation to gf when a probe is armed for the ubatch being built; else no-op.
+// n_stream], v [d_v, n_kv, n_head_kv, n_stream] or, v_trans, [n_kv, d_v, n_head_kv, n_stream] (all
+// already permuted), the layer's mask, scale, optional KQ bias and sinks. Adds the probe's side
+// computation to gf when a probe is armed for the ubatch being built; else no-op.
 void llama_page_probe_attn(ggml_context * ctx0, ggml_cgraph * gf,
-        ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_b, ggml_tensor * kq_mask, ggml_tensor * sinks,
+        ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, bool v_trans,
+        ggml_tensor * kq_b, ggml_tensor * kq_mask, ggml_tensor * sinks,
         float kq_scale, const llama_hparams & hparams, bool grok_softcap, int il);
 
 // ~llama_context(): drop the page-local state of this context.

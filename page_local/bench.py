@@ -160,27 +160,34 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
     }
 
 
+_HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+
+
+def _needle_prompt(model, tokens: int) -> str:
+    """A single-needle prompt of at most `tokens` tokens of `model` (the needle in the middle)."""
+
+    def build(n_lines: int) -> str:
+        return ("Some special magic numbers are hidden within the following text.\n" + _HAY * (n_lines // 2)
+                + "One of the special magic numbers for cold-ocean is: 4817302.\n" + _HAY * (n_lines // 2)
+                + "What is the special magic number for cold-ocean mentioned in the provided text? "
+                "The special magic number for cold-ocean mentioned in the provided text is")
+
+    n_lines = max(2, tokens // 24)
+    while n_lines > 2 and len(model.tokenize(build(n_lines))) > tokens:
+        n_lines -= 4
+    return build(n_lines)
+
+
 def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = 16, repeats: int = 3, threads: int = 2) -> dict:
     """Cost of self-verified eviction: the extra batch decode of m tokens over the evicted copy,
     as a fraction of the prefill, on a needle prompt of about `tokens` tokens (median of repeats).
     The threshold is set permissively so that the check always runs to completion."""
     from .engine import Engine
 
-    hay = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
     ratios, verify_ms, prefill_ms = [], [], []
     with Engine(model_path, n_ctx=tokens + 256, budget=budget, gate="verify", threads=threads,
                 verify_tokens=m, verify_threshold=1e9) as eng:
-        n_lines = max(2, tokens // 24)
-        prompt = ("Some special magic numbers are hidden within the following text.\n" + hay * (n_lines // 2)
-                  + "One of the special magic numbers for cold-ocean is: 4817302.\n" + hay * (n_lines // 2)
-                  + "What is the special magic number for cold-ocean mentioned in the provided text? "
-                  "The special magic number for cold-ocean mentioned in the provided text is")
-        while len(eng.model.tokenize(prompt)) > tokens:
-            n_lines -= 4
-            prompt = ("Some special magic numbers are hidden within the following text.\n" + hay * (n_lines // 2)
-                      + "One of the special magic numbers for cold-ocean is: 4817302.\n" + hay * (n_lines // 2)
-                      + "What is the special magic number for cold-ocean mentioned in the provided text? "
-                  "The special magic number for cold-ocean mentioned in the provided text is")
+        prompt = _needle_prompt(eng.model, tokens)
         for _ in range(repeats):
             d = eng.generate(prompt, max_tokens=m + 1).decision
             if d.verify_ms is None:
@@ -191,6 +198,41 @@ def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = 16, repeats
     return {"bench": "verify", "tokens": d.T, "m": m, "budget": budget, "threads": threads, "repeats": repeats,
             "verify_ms": round(statistics.median(verify_ms), 2), "prefill_ms": round(statistics.median(prefill_ms), 1),
             "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05}
+
+
+def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 4, lookahead_tokens: int = 32,
+                    repeats: int = 3, threads: int = 2) -> dict:
+    """LORE-KV's one-time cost beside SnapKV's: the time from the prompt to the eviction decision
+    (prefill + probe + gate + scoring + eviction + re-decode of the last prompt token), alternated
+    SnapKV / LORE-KV runs on the same needle prompt, gate forced open, medians."""
+    from .engine import Engine
+
+    runs: dict[str, list[dict]] = {"snapkv": [], "lorekv": []}
+    with Engine(model_path, n_ctx=tokens + 64 + futures * lookahead_tokens, budget=budget, gate="always",
+                threads=threads) as eng:
+        prompt = _needle_prompt(eng.model, tokens)
+        for i in range(2 * repeats):
+            name = ("snapkv", "lorekv")[i % 2]
+            if name == "lorekv":
+                eng.set_evictor("lorekv", futures=futures, tokens=lookahead_tokens)
+            else:
+                eng.set_evictor("snapkv")
+            d = eng.generate(prompt, max_tokens=1).decision
+            if not d.evicted:
+                raise RuntimeError(f"nothing was evicted (T = {d.T} <= B = {d.B}); use a smaller budget")
+            runs[name].append(dict(total=d.prefill_ms + d.probe_ms + d.gate_ms + d.evict_ms, prefill=d.prefill_ms,
+                                   evict=d.evict_ms, lookahead=d.lookahead_ms or 0.0))
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    snap, lore = med("snapkv", "total"), med("lorekv", "total")
+    return {"bench": "lorekv", "tokens": d.T, "budget": budget, "futures": futures,
+            "lookahead_tokens": lookahead_tokens, "threads": threads, "repeats": repeats,
+            "snapkv_ms": round(snap, 1), "lorekv_ms": round(lore, 1), "ratio": round(lore / snap, 3),
+            "prefill_ms": round(med("snapkv", "prefill"), 1), "snapkv_evict_ms": round(med("snapkv", "evict"), 1),
+            "lorekv_evict_ms": round(med("lorekv", "evict"), 1), "lookahead_ms": round(med("lorekv", "lookahead"), 1),
+            "paper_ratio_range": [1.46, 2.77]}
 
 
 _MEMORY_CHILD = r"""

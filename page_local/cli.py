@@ -28,7 +28,7 @@ def main():
 @click.option("--budget", default="0.25", show_default=True, type=BudgetType(),
               help="Kept positions when the gate opens: a ratio (0.25) or a count (1024).")
 @click.option("--evictor", default="snapkv", show_default=True, type=click.Choice(sorted(_EVICTOR_NAMES)))
-@click.option("--gate", "gate", default="page", show_default=True, type=click.Choice(list(GATE_MODES)),
+@click.option("--gate", "gate", default="verify", show_default=True, type=click.Choice(list(GATE_MODES)),
               help="page: evict when PAGE says it is safe; always / never: force it.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--n-ctx", default=4096, show_default=True, type=click.IntRange(min=1))
@@ -66,9 +66,15 @@ def run(model, prompt, prompt_file, budget, evictor, gate, max_tokens, n_ctx, th
     else:
         click.echo("")
         D = "n/a" if d.D is None else f"{d.D:.4f}"
-        click.echo(f"[gate {'open' if d.open else 'closed'} (D = {D}, {d.rule}); kept {d.kept} of {d.T} "
-                   f"positions; {len(res.tokens)} tokens at {res.tokens_per_s:.1f} tok/s; "
-                   f"finish: {res.finish_reason}]", err=True)
+        if d.gate_mode in ("verify", "page+verify") and d.verify_delta is not None and d.verify_m:
+            what = (f"verify {'committed' if d.evicted else 'kept the full cache'} "
+                    f"(delta = {d.verify_delta:.4f} nats/token over {d.verify_m} tokens, D = {D})")
+        elif d.gate_mode in ("verify", "page+verify") and d.open and d.T <= d.B:
+            what = f"verify: nothing to evict (T = {d.T} <= B = {d.B}, D = {D})"
+        else:
+            what = f"gate {'open' if d.open else 'closed'} (D = {D}, {d.rule})"
+        click.echo(f"[{what}; kept {d.kept} of {d.T} positions; {len(res.tokens)} tokens at "
+                   f"{res.tokens_per_s:.1f} tok/s; finish: {res.finish_reason}]", err=True)
 
 
 @main.group()
@@ -143,6 +149,26 @@ def bench_verify(model, tokens, m, repeats, threads, as_json):
     _bench(as_json, lambda: verify_cost(resolve_model(model), tokens=tokens, m=m, repeats=repeats, threads=threads),
            lambda r: f"{r['tokens']}-token prompt: verification {r['verify_ms']:.1f} ms, prefill "
                      f"{r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {repeats})")
+
+
+@bench.command("lorekv")
+@model_option
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=256))
+@click.option("--budget", default="0.25", show_default=True, type=BudgetType())
+@click.option("--futures", default=4, show_default=True, type=click.IntRange(1, 8))
+@click.option("--lookahead-tokens", default=32, show_default=True, type=click.IntRange(1, 512))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@_threads_option
+@_json_option
+def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, threads, as_json):
+    """LORE-KV's one-time cost (prompt to eviction) as a ratio to SnapKV's (paper: 1.46-2.77x)."""
+    from .bench import lorekv_overhead
+
+    _bench(as_json, lambda: lorekv_overhead(resolve_model(model), tokens=tokens, budget=budget, futures=futures,
+                                            lookahead_tokens=lookahead_tokens, repeats=repeats, threads=threads),
+           lambda r: f"{r['tokens']}-token prompt to eviction: SnapKV {r['snapkv_ms']:.0f} ms, LORE-KV "
+                     f"{r['lorekv_ms']:.0f} ms ({r['futures']} futures x {r['lookahead_tokens']} tokens: "
+                     f"{r['lookahead_ms']:.0f} ms), ratio {r['ratio']:.2f} (median of {repeats})")
 
 
 @bench.command("memory")

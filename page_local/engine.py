@@ -31,6 +31,7 @@ from . import gate as gate_mod
 from . import models
 from .evictors import get_evictor
 from .evictors.base import EvictionInput, resolve_budget
+from .lookahead import MAX_FUTURES, Lookahead, run_lookahead
 from .probe import ProbeResult
 from .runtime import Context, ContextConfig, Model
 
@@ -39,7 +40,7 @@ TOP_K = 32
 N_SINK = 4
 # Signals _prefill_and_gate hands to evictors (evictors.base.NEEDS lists every known one). An evictor
 # needing anything else is refused when it is chosen, not mid-turn on the turns where the gate opens.
-PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms"})
+PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead"})
 
 
 # Self-verified eviction: the first m tokens are generated with the full cache, then teacher-forced on
@@ -102,6 +103,7 @@ class Decision:
     verify_top1: float | None = None  # fraction of tokens the evicted cache also ranks first
     verify_kl_first: float | None = None  # KL(p_full || p_evicted) of the first generated token
     verify_ms: float | None = None  # the extra batch decode and the comparison
+    lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -141,7 +143,7 @@ class Engine:
     """A model, a context and the PAGE pipeline. Not thread-safe: use one engine per thread."""
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096, budget: float | int = 0.25,
-                 evictor: str = "snapkv", gate: str = "page", threads: int = 2, flash_attn: str = "auto",
+                 evictor: str = "snapkv", gate: str = "verify", threads: int = 2, flash_attn: str = "auto",
                  type_kv: str = "f16", seed: int = 0, evictor_options: dict | None = None,
                  verify_tokens: int = VERIFY_M, verify_threshold: float = VERIFY_DELTA, compact: bool = True):
         path = Path(model) if model is not None else models.default_model_path()
@@ -155,7 +157,7 @@ class Engine:
         self.model = Model(path)
         try:
             self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, flash_attn=flash_attn,
-                                                         type_kv=type_kv, n_seq_max=2))
+                                                         type_kv=type_kv, n_seq_max=1 + MAX_FUTURES))
         except Exception:
             self.model.close()
             raise
@@ -169,6 +171,8 @@ class Engine:
         self.profile_warning = self.gate.warning
         self.history: list[int] = []  # tokens in seq 0, in order (evicted ones included)
         self.last_decision: Decision | None = None
+        self.last_lookahead: Lookahead | None = None
+        self._out_proj: dict[str, np.ndarray] = {}
 
     # --- settings ----------------------------------------------------------------------------
     def set_budget(self, budget: float | int) -> None:
@@ -421,6 +425,7 @@ class Engine:
         is_open = bool(g.open) if g else False
         evicted = False
         plan = None
+        lookahead_ms = None
         if is_open and T > B and select:
             last_pos, last_tok = pos0 + n - 1, toks[-1]
             last_query = None
@@ -432,8 +437,15 @@ class Engine:
             key_norms = None
             if "key_norms" in needs:  # f32 (n_layer, n_head_kv, T), columns aligned with held
                 key_norms = page.key_norms(0, self.model.n_layer, self.model.n_head_kv)
+            lookahead = None
+            if "lookahead" in needs:  # LORE-KV: sampled futures score the prompt, then are removed
+                lookahead = self.lookahead(ctx.logits())
+                lookahead_ms = lookahead.ms
+                if not apply:  # the logits buffer now holds the futures': restore the prompt's
+                    ctx.seq_rm(0, last_pos, last_pos + 1)
+                    ctx.decode([last_tok], last_pos, 0)
             inp = EvictionInput(held=held, budget=B, window=probe.queries, n_sink=N_SINK, probe=probe,
-                                last_query=last_query, key_norms=key_norms,
+                                last_query=last_query, key_norms=key_norms, lookahead=lookahead,
                                 prefill_attention=_align(prefill_attn, probe, held) if prefill_attn is not None else None,
                                 seed=self.seed)
             keep = self._evictor.select(inp)
@@ -461,7 +473,22 @@ class Engine:
             compression=T / kept if kept else 1.0, gate_mode=self.gate_mode,
             rule=g.rule if g else "none", reason=reason,
             evictor=self._evictor.name, prefill_ms=(t1 - t0) * 1e3, probe_ms=(t2 - t1) * 1e3,
-            gate_ms=(t3 - t2) * 1e3, evict_ms=(t4 - t3) * 1e3, agreement=agreement, **verify), plan
+            gate_ms=(t3 - t2) * 1e3, evict_ms=(t4 - t3) * 1e3, agreement=agreement, lookahead_ms=lookahead_ms,
+            **verify), plan
+
+    def lookahead(self, last_logits: np.ndarray, spec=None, seq: int = 0) -> Lookahead:
+        """Run a LORE-KV lookahead (spec: a LookaheadSpec; default the current evictor's) on seq, whose
+        newest token produced last_logits; the futures are gone afterwards. Also in self.last_lookahead."""
+        spec = spec or self._evictor.spec
+        if spec.projection not in self._out_proj:
+            from .outproj import context_out_proj_factors
+
+            m = self.model
+            self._out_proj[spec.projection] = context_out_proj_factors(
+                self.ctx, m.n_layer, m.n_head, m.n_embd, spec.projection, path=m.path)
+        self.last_lookahead = run_lookahead(self.ctx, seq, last_logits, spec, self._out_proj[spec.projection],
+                                            self.model.is_eog)
+        return self.last_lookahead
 
     def _prefill(self, toks: list[int], pos0: int, track: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """Decode toks; with track, arm the probe on every ubatch-sized chunk and sum its column mass

@@ -86,6 +86,8 @@ class PageOps:
         ffi, lib = self._ffi, self._lib
         info = ffi.new("struct llama_page_probe_info *")
         self._check(lib.llama_page_probe_get_info(self._ctx, info))
+        if info.has_costs:
+            raise ProbeError("the last probe computed deletion costs; read them with read_costs()")
         L, H, K, P, Q = info.n_layer, info.n_head, info.top_k, info.n_pos, info.n_query
 
         positions = np.empty(P, dtype=np.int32)
@@ -104,6 +106,47 @@ class PageOps:
             self._check(lib.llama_page_probe_get_rows(self._ctx, _ptr(ffi, "float *", rows), rows.size))
         return ProbeResult(positions=positions, queries=queries, mean=mean,
                            topk_pos=topk_pos, topk_score=topk_score, rows=rows)
+
+    # --- deletion cost (LORE-KV) -------------------------------------------------------------
+    def set_out_proj(self, r: np.ndarray | None) -> None:
+        """Factors R_h of the output projection, f32 (n_layer, n_head, d_v, d_v); None clears them."""
+        if r is None:
+            self._check(self._lib.llama_page_set_out_proj(self._ctx, self._ffi.NULL, 0))
+            return
+        arr = np.ascontiguousarray(r, dtype=np.float32)
+        if arr.ndim != 4 or arr.shape[2] != arr.shape[3]:
+            raise InvalidArgument(f"out_proj must be (n_layer, n_head, d_v, d_v), got shape {arr.shape}")
+        self._check(self._lib.llama_page_set_out_proj(self._ctx, _ptr(self._ffi, "float *", arr), arr.size))
+
+    def out_proj_weight(self, il: int, n_embd: int) -> np.ndarray:
+        """f32 (n_embd, n_head * d_v): layer il's attention output projection W_O, dequantized."""
+        lib, ffi = self._lib, self._ffi
+        cols = self._check(lib.llama_page_out_proj_weight(self._ctx, int(il), ffi.NULL, 0))
+        out = np.empty((int(n_embd), cols), dtype=np.float32)
+        self._check(lib.llama_page_out_proj_weight(self._ctx, int(il), _ptr(ffi, "float *", out), out.size))
+        return out
+
+    def arm_cost_probe(self, target_seq: int, reuse_value_norms: bool = False) -> None:
+        """Arm the deletion-cost probe for the next decode (any sequences; costs over target_seq).
+        reuse_value_norms: keep the previous cost decode's ||R v||^2 if target_seq's cells are unchanged."""
+        self._check(self._lib.llama_page_probe_arm_cost(self._ctx, int(target_seq), bool(reuse_value_norms)))
+
+    def read_costs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions i32 (n_pos,), queries i32 (n_query,), costs f32 (n_layer, n_query, n_pos)):
+        the deletion cost of each of target_seq's positions for each query, summed over heads."""
+        ffi, lib = self._ffi, self._lib
+        info = ffi.new("struct llama_page_probe_info *")
+        self._check(lib.llama_page_probe_get_info(self._ctx, info))
+        if not info.has_costs:
+            raise ProbeError("the last probe computed attention scores, not deletion costs (arm_cost_probe)")
+        L, P, Q = info.n_layer, info.n_pos, info.n_query
+        positions = np.empty(P, dtype=np.int32)
+        queries = np.empty(Q, dtype=np.int32)
+        costs = np.empty((L, Q, P), dtype=np.float32)
+        self._check(lib.llama_page_probe_get_positions(self._ctx, _ptr(ffi, "llama_pos *", positions), P))
+        self._check(lib.llama_page_probe_get_queries(self._ctx, _ptr(ffi, "llama_pos *", queries), Q))
+        self._check(lib.llama_page_probe_get_costs(self._ctx, _ptr(ffi, "float *", costs), costs.size))
+        return positions, queries, costs
 
     # --- eviction ----------------------------------------------------------------------------
     def positions(self, seq_id: int) -> np.ndarray:
@@ -132,7 +175,8 @@ class PageOps:
         return out
 
     def compact(self, seq_id: int) -> None:
-        """Move seq_id's cells down so the attended range shrinks; outputs are unchanged."""
+        """Move every used cell of seq_id's KV stream down to the lowest cells, in place and in order
+        (shared cells stay shared), so the attended range shrinks; positions and outputs are unchanged."""
         self._check(self._lib.llama_page_compact(self._ctx, int(seq_id)))
 
 

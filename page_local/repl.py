@@ -44,7 +44,7 @@ Ctrl-C stops an answer (the partial answer stays); Ctrl-C at the prompt clears t
 /help                 this text
 /clear                start a new conversation (drops a pending /read document too)
 /system [TEXT]        set the system prompt (re-prefills the conversation); alone: show it; '-' removes it
-/set [KEY VALUE]      budget (0.25 = ratio, 1024 = cells), evictor, gate (page|always|never),
+/set [KEY VALUE]      budget (0.25 = ratio, 1024 = cells), evictor, gate (verify|page|page+verify|always|never),
                       temperature, max-tokens; alone: show the settings. They apply from the next turn.
 /stats                the last gate decision in full, with timings
 /gate                 the last gate decision in plain words
@@ -465,7 +465,7 @@ def terminal_reader(input=None, output=None) -> Callable[[str], str]:
 @click.option("--budget", type=BudgetType(), default="0.25", show_default=True,
               help="cells kept when the gate opens: a ratio in (0, 1] or a count")
 @click.option("--evictor", type=click.Choice(sorted(EVICTORS)), default="snapkv", show_default=True)
-@click.option("--gate", type=click.Choice(MODES), default="page", show_default=True,
+@click.option("--gate", type=click.Choice(MODES), default="verify", show_default=True,
               help="page: PAGE decides per turn; always/never: forced")
 @click.option("--n-ctx", default=4096, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))

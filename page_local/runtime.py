@@ -80,6 +80,7 @@ class Model:
         self.n_layer = int(lc.llama_model_n_layer(self.ptr))
         self.n_head = int(lc.llama_model_n_head(self.ptr))
         self.n_head_kv = int(lc.llama_model_n_head_kv(self.ptr))
+        self.n_embd = int(lc.llama_model_n_embd(self.ptr))
         self.n_ctx_train = int(lc.llama_model_n_ctx_train(self.ptr))
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
 
@@ -225,6 +226,27 @@ class Context:
                 raise DecodeError(
                     "llama_decode failed: the KV cache is full (no free slot)" if rc == 1 else f"llama_decode failed with code {rc}"
                 )
+
+    def decode_step(self, tokens, positions, seq_ids) -> None:
+        """Decode one batch whose token i sits at positions[i] in sequence seq_ids[i], with logits for
+        every token (e.g. one step of several sampled continuations at once). At most n_batch tokens."""
+        tokens, positions, seq_ids = list(tokens), list(positions), list(seq_ids)
+        n = len(tokens)
+        if n == 0 or n > self.n_batch or len(positions) != n or len(seq_ids) != n:
+            raise ValueError(f"decode_step needs 1..{self.n_batch} tokens with one position and one sequence each")
+        b = self._batch
+        for i in range(n):
+            b.token[i] = tokens[i]
+            b.pos[i] = positions[i]
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq_ids[i]
+            b.logits[i] = True
+        b.n_tokens = n
+        rc = self._lc.llama_decode(self.ptr, b)
+        if rc != 0:
+            raise DecodeError(
+                "llama_decode failed: the KV cache is full (no free slot)" if rc == 1 else f"llama_decode failed with code {rc}"
+            )
 
     def logits(self, i: int = -1) -> np.ndarray:
         """f32 (n_vocab,) logits of output i of the last decode (-1 = last), copied."""

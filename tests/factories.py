@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from page_local.lookahead import Lookahead
+
 from page_local.evictors.base import EvictionInput
 from page_local.probe import ProbeResult
 
@@ -54,6 +56,8 @@ def make_input(T: int, B: int, *, W: int = 8, n_sink: int = 4, seed: int = 0, ga
         # Norm scales differ by layer, as in real models.
         key_norms=((1.0 + rng.random((n_layer, n_head_kv, T))) * np.arange(1, n_layer + 1)[:, None, None])
         .astype(np.float32),
+        lookahead=Lookahead(positions=held.astype(np.int32), cost=rng.random((2, n_layer, T)),
+                            n_fed=np.array([3, 2], dtype=np.int32), logprob=-rng.random(2), entropy=rng.random(2)),
         seed=seed,
     )
     fields.update(overrides)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 SMALL = ["--n-ctx", "2048", "--threads", "1"]
+PAGE = ["--gate", "page"]  # run: the PAGE rule is what calibration changes (the default gate is verify)
 FACTS = ("The lighthouse on Gull Island was built in 1874 by a crew of eleven masons from Aberdeen. Its lamp "
          "burned whale oil until 1902, then kerosene until 1931, when an electric lamp replaced it. The keeper's "
          "cottage has four rooms and a cellar where the oil barrels were stored. Three families kept the light "
@@ -62,7 +63,7 @@ def page_local(smollm2_path, tmp_path):
 
 def test_calibrate_then_run_reports_z(page_local, tmp_path):
     # no profile yet: the raw rule, no z
-    before, _ = page_local("run", "--prompt", PROMPT, "--max-tokens", "4", *SMALL, "--json")
+    before, _ = page_local("run", "--prompt", PROMPT, "--max-tokens", "4", *SMALL, *PAGE, "--json")
     d0 = before["decision"]
     assert d0["rule"] == "raw" and d0["z"] is None and d0["D"] is not None
     n_tokens = d0["T"]
@@ -87,7 +88,7 @@ def test_calibrate_then_run_reports_z(page_local, tmp_path):
     assert stored["model_id"] == cal["model_id"]
 
     # with the profile: the calibrated rule and z = (D - mu)/sigma
-    out, err = page_local("run", "--prompt", PROMPT, "--max-tokens", "4", *SMALL, "--json")
+    out, err = page_local("run", "--prompt", PROMPT, "--max-tokens", "4", *SMALL, *PAGE, "--json")
     assert "warning" not in err  # the profile is valid for this model
     d = out["decision"]
     assert d["rule"] == "calibrated", d

@@ -21,7 +21,9 @@ def test_run_streams_the_answer(cli):
     res = cli("run", "--prompt", PROMPT, *SMALL)
     assert res.exit_code == 0, res.output
     assert res.stdout.startswith(" Paris") and res.stdout.endswith("\n")
-    assert "[gate closed" in res.stderr and "finish: length" in res.stderr
+    assert "[verify: nothing to evict" in res.stderr and "finish: length" in res.stderr  # the default gate
+    res = cli("run", "--prompt", PROMPT, "--gate", "page", *SMALL)
+    assert "[gate closed" in res.stderr
 
 
 def test_run_json(cli, tmp_path):

@@ -73,7 +73,7 @@ def test_set_valid_values(make_repl):
     for line in ("/set budget 1024", "/set budget 0.5", "/set evictor streamingllm", "/set temperature 0.7",
                  "/set max-tokens 4"):
         repl.handle(line)
-    assert repl.settings() == {"budget": 0.5, "evictor": "streamingllm", "gate": "page",
+    assert repl.settings() == {"budget": 0.5, "evictor": "streamingllm", "gate": "verify",
                                "temperature": 0.7, "max_tokens": 4}
     assert "nothing changed" not in out()
     assert parse_budget("1024") == 1024 and isinstance(parse_budget("0.25"), float)
@@ -101,6 +101,7 @@ def test_gate_always_evicts_and_stats_and_gate_explain(make_repl):
 
 def test_gate_explains_page_decision(make_repl):
     repl, out = make_repl()
+    repl.handle("/set gate page")
     repl.handle("Hello!")
     repl.handle("/gate")
     d = repl.engine.last_decision
@@ -158,6 +159,7 @@ def test_load_too_long_for_context_keeps_conversation(make_repl, tmp_path):
                                             {"role": "assistant", "content": "ok"}],
                                "settings": {"gate": "never", "budget": 0.5}}))
     repl, out = make_repl(n_ctx=256)
+    repl.handle("/set gate never")  # no eviction: the cache is the whole history, before and after
     repl.handle("Hi.")
     before = (list(repl.session.messages), repl.settings())
     repl.handle(f"/load {big}")

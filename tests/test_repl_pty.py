@@ -216,7 +216,7 @@ def test_chat_through_a_pty(chat, tmp_path):
     out = c2.ask("/stats")
     assert "No turn yet." in out
     out = c2.ask(f"/load {conv}")
-    assert re.search(r"Loaded 4 messages; budget 0\.25 · evictor snapkv · gate page · temperature 0 · "
+    assert re.search(r"Loaded 4 messages; budget 0\.25 · evictor snapkv · gate verify · temperature 0 · "
                      r"max-tokens 24", out), out
     out = c2.ask("/stats")
     assert re.search(r"│\s*D\s+│\s*-?\d+\.\d{4}\s*│", out), out

@@ -38,6 +38,7 @@ struct llama_page_probe_info {
     int32_t n_pos;     // visible positions (union over layers), the columns of mean/rows
     int32_t n_query;   // queries in the armed batch
     int32_t has_rows;  // 1 if full per-head rows were kept (armed with keep_rows)
+    int32_t has_costs; // 1 for a deletion-cost result (llama_page_probe_arm_cost); mean/top-k/rows are then absent
 };
 
 // Arm the probe for the next llama_decode() on this context. That decode must hold only tokens
@@ -72,6 +73,40 @@ LLAMA_API int32_t llama_page_probe_get_mean     (const struct llama_context * ct
 LLAMA_API int32_t llama_page_probe_get_topk     (const struct llama_context * ctx, llama_pos * topk_pos, float * topk_score, int64_t n);
 LLAMA_API int32_t llama_page_probe_get_rows     (const struct llama_context * ctx, float     * rows,      int64_t n);
 
+// --- deletion cost (LORE-KV) --------------------------------------------------------------------
+// For one query in head h with attention a_p over the visible keys and head output o = sum_p a_p v_p,
+// deleting key p and renormalising moves the head's contribution to the residual stream by exactly
+//     c[h,p] = a_p / (1 - a_p) * || W_O^(h) (v_p - o) ||  =  a_p / (1 - a_p) * || R_h (v_p - o) ||
+// where W_O^(h) = Q_h R_h is the QR factorisation of head h's column block of the output projection.
+// (1 - a_p is clamped to >= 1e-6.) R_h is supplied by the caller, so the same probe also computes the
+// "no W_O" (R_h = I) and "per-head gain" (R_h = g_h I) approximations.
+
+// Set the factors used by the deletion-cost probe: f32 [n_layer, n_head, d_v, d_v], R_h row-major
+// (element [il, h, i, j] = R_h[i][j]); n must equal that size. r == NULL clears them. They are copied to
+// the device of each layer's output projection and kept until replaced or the context is freed.
+LLAMA_API int32_t llama_page_set_out_proj(struct llama_context * ctx, const float * r, int64_t n);
+
+// Copy layer il's attention output projection W_O, dequantized, into out: f32 [n_embd, n_head * d_v]
+// row-major (column block h is head h's W_O^(h)); n must equal that size. For computing R_h.
+// out == NULL and n == 0: returns the number of columns (n_head * d_v). LLAMA_PAGE_ERR_UNSUPPORTED when
+// the backend cannot read the weight back (the CPU backend's repacked layouts): read the GGUF instead.
+LLAMA_API int32_t llama_page_out_proj_weight(const struct llama_context * ctx, int32_t il, float * out, int64_t n);
+
+// Arm the deletion-cost probe for the next llama_decode(). Every token of that batch is a query, and
+// the batch may hold tokens of several sequences (e.g. sampled continuations that share target_seq's
+// cells), one sequence per token, in one ubatch. For every layer l and query q the probe computes
+//     cost[l, q, p] = sum over query heads h of c[h, p]      (see above)
+// for every position p held by target_seq (0 where the query cannot see p). Needs llama_page_set_out_proj.
+// The result replaces any previous one; read it with llama_page_probe_get_info (n_pos, n_query,
+// has_costs = 1), llama_page_probe_get_positions, llama_page_probe_get_queries and:
+//   costs : f32 [n_layer, n_query, n_pos]
+// reuse_value_norms: take ||R_h v_p||^2 from the previous cost decode instead of recomputing it (the
+// dominant cost: d_v^2 per cell and head). Honoured only when the previous cost decode on this context
+// saw exactly the same (position, cell) pairs of target_seq; otherwise they are recomputed. Cells keep
+// their values while they hold a position, so this is exact across the steps of one lookahead.
+LLAMA_API int32_t llama_page_probe_arm_cost(struct llama_context * ctx, llama_seq_id target_seq, bool reuse_value_norms);
+LLAMA_API int32_t llama_page_probe_get_costs(const struct llama_context * ctx, float * costs, int64_t n);
+
 // Remove exactly the given positions from seq_id, in one call. Cells that other sequences share
 // stay for them. The positions may come in any order; each must currently be in the sequence
 // (the full-attention cache's view for sliding-window models), with no duplicates, else
@@ -88,10 +123,21 @@ LLAMA_API int32_t llama_page_seq_positions(const struct llama_context * ctx, lla
 // Positions that a sliding-window layer's cache no longer holds are 0 in that layer.
 LLAMA_API int32_t llama_page_key_norms(const struct llama_context * ctx, llama_seq_id seq_id, float * out, int64_t n);
 
-// Rewrite seq_id's cells so they occupy the lowest free cells (state save, remove, restore).
-// Positions, outputs and the cache contents of the sequence are unchanged; what shrinks is the
-// attended range n_kv when eviction left holes. A sequence that shared cells with another one
-// gets its own copies afterwards.
+// Compact, in place, the KV cache stream that holds seq_id (with a unified cache: the whole cache;
+// for a sliding-window model both its full-attention and its SWA cache): every used cell, of every
+// sequence in the stream, moves down so that the used cells are exactly cells 0..n_used-1, in
+// their previous order. K and V rows are copied inside the cache tensors through a host staging
+// buffer of about 1 MiB (never the whole cache). Each cell keeps its position, its sequences (a
+// cell shared by several sequences stays one shared cell), and any pending shift. The next token
+// is placed right after the packed cells. The cells end up as a whole-context llama_state_get_data
+// + llama_state_set_data would leave them. What shrinks is the attended range n_kv when eviction
+// left holes; next-token outputs are those before compaction up to float rounding (the sums over
+// the cache run in another order; bit-identical on CPU with flash attention off and an f16 cache
+// in page-local's tests). An already compact stream is left untouched.
+//   LLAMA_PAGE_ERR_UNSUPPORTED (nothing was changed): a cross-stream llama_memory_seq_cp is still
+//   pending, or a llama_memory_seq_div left a pending shift that cannot be re-created in another
+//   cell (run llama_decode once first); or the cache shares its cells with another cache.
+// Do not call it while another thread decodes on ctx.
 LLAMA_API int32_t llama_page_compact(struct llama_context * ctx, llama_seq_id seq_id);
 
 // Message of the last failure on this thread ("" if none). Valid until the next llama_page_* call.

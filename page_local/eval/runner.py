@@ -255,6 +255,7 @@ class _Run:
         page.arm_probe(0, TOP_K)
         ctx.decode(toks[s - w: s], s - w, 0)
         logits0 = ctx.logits()  # the next-token logits after the compressible part
+        self.full_first_prompt = logits0
         probe = page.read_probe()
         prefill_ms = _ms(t0)
         t0 = time.perf_counter()
@@ -284,15 +285,17 @@ class _Run:
                                       verify_kl_first=0.0, committed=full.tokens)
                         cands[(ename, _jkey(b))] = c
                         continue
+                    signals = self._signals(ev, extra, probe, held, prefill_attn, toks, s, _align)
                     t0 = time.perf_counter()
                     inp = EvictionInput(held=held, budget=B, window=probe.queries, n_sink=N_SINK, probe=probe,
-                                        seed=self.seed + p.sample.index, **self._signals(ev, extra, probe, held,
-                                                                                        prefill_attn, toks, s, _align))
+                                        seed=self.seed + p.sample.index, **signals)
                     keep = ev.select(inp)
                     select_ms = _ms(t0)
                     c = self._evicted(p, keep, held, full)
                     c.B = B
                     c.timings["select_ms"] = select_ms
+                    if "lookahead" in signals:  # one-time per sample, shared by every budget
+                        c.timings["lookahead_ms"] = round(signals["lookahead"].ms, 3)
                     cands[(ename, _jkey(b))] = c
         finally:
             ctx.seq_rm(1, -1, -1)
@@ -319,6 +322,11 @@ class _Run:
             out["key_norms"] = extra["key_norms"]
         if "prefill_attention" in ev.needs and prefill_attn is not None:
             out["prefill_attention"] = _align(prefill_attn, probe, held)
+        if "lookahead" in ev.needs:  # LORE-KV's futures, once per sample and lookahead spec
+            key = ("lookahead", ev.spec)
+            if key not in extra:
+                extra[key] = self.eng.lookahead(self.full_first_prompt, ev.spec)
+            out["lookahead"] = extra[key]
         return out
 
     def _full(self, p: Prompt, logits0: np.ndarray, suffix: list[int]) -> Candidate:

@@ -20,7 +20,7 @@ import numpy as np
 
 from page_local.probe import ProbeResult
 
-NEEDS = frozenset({"probe", "last_query", "prefill_attention", "key_norms"})
+NEEDS = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead"})
 POOLS = ("none", "avg", "max")
 
 
@@ -36,6 +36,7 @@ class EvictionInput:
     last_query: ProbeResult | None = None  # probe of the final prompt token only (TOVA)
     prefill_attention: np.ndarray | None = None  # f32 (n_layer, T) column sums over all queries, head-mean
     key_norms: np.ndarray | None = None  # f32 (n_layer, n_head_kv, T)
+    lookahead: object | None = None  # page_local.lookahead.Lookahead (LORE-KV): costs over its own positions
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -1,0 +1,71 @@
+"""LORE-KV (arXiv 2610.07643): keep what the model's own continuations will need.
+
+The engine runs the lookahead (page_local/lookahead.py: S sampled futures of tau tokens whose
+queries score every prompt position by its leave-one-out deletion cost) and hands the result to
+`select` as `inp.lookahead`; this class only aggregates it (spec/algorithms.md §4.4):
+
+    U(p) = sum_s w_s * (1/tau_s) sum_t sum_l sum_h c(l, h, s, t, p)
+
+Weights: "uniform" (w_s = 1/S, the default) or "trajectory": w_s = softmax_s(beta * (lp_s - mean lp)
+- eta * (H_s - mean H)) with lp_s the future's mean token log-prob and H_s its mean entropy (the
+spec's proposal; beta = 1, eta = 0 by default). layer_norm=True divides each layer's cost by its mean
+over positions before the sum. Sinks and the probe window are protected like SnapKV's; futures never
+count against the budget. A future that produced no token (end-of-generation first) has weight 0.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from page_local.evictors.base import EvictionInput, Evictor
+from page_local.lookahead import LookaheadSpec
+
+WEIGHTINGS = ("uniform", "trajectory")
+
+
+class LoreKV(Evictor):
+    name = "lorekv"
+    needs = frozenset({"lookahead"})
+
+    def __init__(self, futures: int = 4, tokens: int = 32, temperature: float = 0.7, top_p: float = 0.95,
+                 seed: int = 0, projection: str = "wo", weighting: str = "uniform", beta: float = 1.0,
+                 eta: float = 0.0, layer_norm: bool = False):
+        self.spec = LookaheadSpec(futures=futures, tokens=tokens, temperature=temperature, top_p=top_p,
+                                  seed=seed, projection=projection)
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}; got {weighting!r}")
+        for k, v in (("beta", beta), ("eta", eta)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v):
+                raise ValueError(f"{k} must be a finite number, got {v!r}")
+        self.weighting, self.beta, self.eta, self.layer_norm = weighting, float(beta), float(eta), bool(layer_norm)
+
+    def weights(self, la) -> np.ndarray:
+        """f64 (S,): the futures' weights, summing to 1 over the futures that fed tokens."""
+        ok = la.n_fed > 0
+        w = np.zeros(la.n_fed.shape[0])
+        if not ok.any():
+            return w
+        if self.weighting == "uniform":
+            w[ok] = 1.0 / ok.sum()
+            return w
+        lp, ent = la.logprob[ok], la.entropy[ok]
+        z = self.beta * (lp - lp.mean()) - self.eta * (ent - ent.mean())
+        e = np.exp(z - z.max())
+        w[ok] = e / e.sum()
+        return w
+
+    def score(self, inp: EvictionInput) -> np.ndarray:
+        la = inp.lookahead
+        cost = np.asarray(la.cost, dtype=np.float64)  # (S, n_layer, P)
+        if self.layer_norm:
+            mean = cost.mean(axis=2, keepdims=True)
+            cost = np.divide(cost, mean, out=np.zeros_like(cost), where=mean > 0)
+        u = np.einsum("s,slp->p", self.weights(la), cost)
+        out = np.zeros(inp.T, dtype=np.float64)
+        col = np.searchsorted(la.positions, inp.held)
+        ok = col < la.positions.size
+        ok[ok] = la.positions[col[ok]] == inp.held[ok]
+        out[ok] = u[col[ok]]
+        return out
