@@ -31,7 +31,7 @@ from . import gate as gate_mod
 from . import models
 from .evictors import get_evictor
 from .evictors.base import EvictionInput, resolve_budget
-from .lookahead import MAX_FUTURES, Lookahead, run_lookahead
+from .lookahead import MAX_FUTURES, Lookahead, log_softmax, run_lookahead
 from .probe import ProbeResult
 from .runtime import Context, ContextConfig, Model
 
@@ -551,9 +551,7 @@ def _align(prefill: tuple[np.ndarray, np.ndarray], probe: ProbeResult, held: np.
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max()
-    return (x - np.log(np.exp(x).sum())).astype(np.float32)
+    return log_softmax(logits).astype(np.float32)
 
 
 def _make_sampler(s: Sampling, model: Model):

@@ -67,15 +67,16 @@ class Lookahead:
     note: str = ""  # how the run was shortened, if it was
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max()
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """f64 log-probabilities of a logits vector (the engine and the evaluation use it too)."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max()
     return x - np.log(np.exp(x).sum())
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
     """Nucleus sampling at a temperature: the smallest set of top tokens whose probability reaches top_p."""
-    lp = _log_softmax(np.asarray(logits, dtype=np.float64) / temperature)
+    lp = log_softmax(np.asarray(logits, dtype=np.float64) / temperature)
     p = np.exp(lp)
     order = np.argsort(-p, kind="stable")
     cum = np.cumsum(p[order])
@@ -114,7 +115,7 @@ def run_lookahead(ctx, seq: int, last_logits: np.ndarray, spec: LookaheadSpec, o
     toks: list[list[int]] = [[] for _ in range(S)]
 
     def draw(s: int, logits: np.ndarray) -> int | None:
-        lp = _log_softmax(logits)
+        lp = log_softmax(logits)
         y = sample_token(logits, spec.temperature, spec.top_p, rng)
         lp_sum[s] += lp[y]
         ent_sum[s] += float(-(np.exp(lp) * lp).sum())

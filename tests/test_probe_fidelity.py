@@ -24,15 +24,9 @@ PREFIX, W = 300, 32
 THREADS = 2
 
 
-@pytest.fixture(scope="module", params=["llama-gqa", "gemma3-iswa"])
+@pytest.fixture(scope="module", params=tm.FIDELITY_MODELS)
 def tiny(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    # attn_out_scale: a smaller attention contribution to the residual stream keeps the f16 rounding
-    # of the flash path (emulated, but not bit for bit) from compounding across layers
-    if request.param == "llama-gqa":
-        return tm.write_tiny_llama(d / "llama.gguf", n_layer=3, n_head=4, n_head_kv=2, attn_out_scale=0.2)
-    return tm.write_tiny_llama(d / "gemma3.gguf", n_layer=4, n_head=4, n_head_kv=2, sliding_window=64,
-                               attn_out_scale=0.2)
+    return tm.write_fidelity_model(request.param, tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.parametrize("flash_attn", ["off", "on"], ids=["flash-off", "flash-on"])

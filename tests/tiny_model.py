@@ -150,6 +150,21 @@ def _tokenizer(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+# The two shapes the fidelity tests compare against the float64 reference. attn_out_scale: a smaller
+# attention contribution to the residual stream keeps the f16 rounding of the flash path (emulated,
+# but not bit for bit) from compounding across layers.
+FIDELITY_MODELS = ("llama-gqa", "gemma3-iswa")
+
+
+def write_fidelity_model(name: str, d: Path) -> "TinyWeights":
+    if name == "llama-gqa":
+        return write_tiny_llama(d / "llama.gguf", n_layer=3, n_head=4, n_head_kv=2, attn_out_scale=0.2)
+    if name == "gemma3-iswa":
+        return write_tiny_llama(d / "gemma3.gguf", n_layer=4, n_head=4, n_head_kv=2, sliding_window=64,
+                                attn_out_scale=0.2)
+    raise ValueError(f"unknown fidelity model {name!r}; choose from {FIDELITY_MODELS}")
+
+
 def write_tiny_llama(
     path,
     *,

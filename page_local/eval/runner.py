@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import scoring
+from ..lookahead import log_softmax
 from .readers import read_samples
 from .tasks import Sample, generate, get_task
 
@@ -155,10 +156,6 @@ def _logp(logits: np.ndarray, tok: int) -> float:
     return float(x[tok] - m - math.log(np.exp(x - m).sum()))
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max()
-    return x - math.log(np.exp(x).sum())
 
 
 def _decode_all(ctx, tokens: Sequence[int], pos: int, seq: int) -> list[np.ndarray]:
@@ -255,7 +252,6 @@ class _Run:
         page.arm_probe(0, TOP_K)
         ctx.decode(toks[s - w: s], s - w, 0)
         logits0 = ctx.logits()  # the next-token logits after the compressible part
-        self.full_first_prompt = logits0
         probe = page.read_probe()
         prefill_ms = _ms(t0)
         t0 = time.perf_counter()
@@ -285,7 +281,7 @@ class _Run:
                                       verify_kl_first=0.0, committed=full.tokens)
                         cands[(ename, _jkey(b))] = c
                         continue
-                    signals = self._signals(ev, extra, probe, held, prefill_attn, toks, s, _align)
+                    signals = self._signals(ev, extra, probe, held, prefill_attn, toks, s, _align, logits0)
                     t0 = time.perf_counter()
                     inp = EvictionInput(held=held, budget=B, window=probe.queries, n_sink=N_SINK, probe=probe,
                                         seed=self.seed + p.sample.index, **signals)
@@ -303,7 +299,7 @@ class _Run:
         return self._rows(p, T, D, z, page_open, g, agreement, full, cands, wanted,
                           dict(prefill_ms=prefill_ms, gate_ms=gate_ms, sample_s=round(sample_s, 3)))
 
-    def _signals(self, ev, extra: dict, probe, held, prefill_attn, toks, s, _align) -> dict:
+    def _signals(self, ev, extra: dict, probe, held, prefill_attn, toks, s, _align, logits0) -> dict:
         """Extra evictor inputs, computed once per sample, after the full-cache candidate."""
         from ..engine import TOP_K
 
@@ -325,7 +321,7 @@ class _Run:
         if "lookahead" in ev.needs:  # LORE-KV's futures, once per sample and lookahead spec
             key = ("lookahead", ev.spec)
             if key not in extra:
-                extra[key] = self.eng.lookahead(self.full_first_prompt, ev.spec)
+                extra[key] = self.eng.lookahead(logits0, ev.spec)
             out["lookahead"] = extra[key]
         return out
 
@@ -395,7 +391,7 @@ class _Run:
         c.delta_self = float(np.mean(lp_full - lp_ev))
         c.verify_m = k
         c.verify_top1 = float(np.mean([int(np.argmax(lg)) == t for lg, t in zip(ev_logits, y)]))
-        pf, pe = _log_softmax(self.full_first), _log_softmax(first)
+        pf, pe = log_softmax(self.full_first), log_softmax(first)
         c.verify_kl_first = float(np.sum(np.exp(pf) * (pf - pe)))
         if self.need_commit:
             rest = p.sample.max_new_tokens - k
