@@ -82,7 +82,7 @@ test-asan: setup
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	PAGE_LOCAL_FUZZ_EXAMPLES=100 \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_bindings.py tests/test_native.py \
-	        tests/test_probe_fidelity.py tests/test_fuzz.py tests/test_compact.py
+	        tests/test_probe_fidelity.py tests/test_fuzz.py tests/test_compact.py tests/test_lorekv.py
 
 # page-local vs NVIDIA kvpress (SnapKVPress in PyTorch, CPU) on the same GGUF, budget and needle prompts.
 # Installs the optional [peer] extra (torch, transformers, kvpress) into the venv first. TORCH_INDEX: an

@@ -152,15 +152,18 @@ def _stop(bar: dict) -> None:
 @click.argument("results", type=click.Path(dir_okay=False))
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="Folder for report.md, summary.json and the plots (default: <results>_report).")
+@click.option("--profile", default=None, type=click.Path(dir_okay=False),
+              help="A calibration profile (JSON from `page-local calibrate`): adds the gate 'PAGE (z)', the "
+                   "PAGE gate re-decided from each input's D under it, beside the raw rule.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of markdown.")
-def eval_report(results, out_dir, as_json):
+def eval_report(results, out_dir, profile, as_json):
     """Write report.md + PNG plots for a results file and print the markdown."""
     from .eval.report import write_report
 
     if not Path(results).is_file():
         _fail(f"no such results file: {results}", 2)
     try:
-        md = write_report(results, out_dir)
+        md = write_report(results, out_dir, profile=profile)
     except (ValueError, OSError) as e:
         _fail(str(e), 1)
     if as_json:

@@ -231,6 +231,22 @@ def load_profile(model_id: str) -> Profile | None:
     return status.profile
 
 
+def read_profile_file(path: str | os.PathLike) -> Profile:
+    """A profile from an explicit file (e.g. one copied from another machine); ValueError if unusable."""
+    p = Path(path).expanduser()
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"no such calibration profile: {p} (`page-local calibrate` prints where it "
+                         "stores one)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read calibration profile {p}: {e}") from None
+    try:
+        return _parse_profile(data)
+    except ValueError as e:
+        raise ValueError(f"{p} is not a page-local calibration profile: {e}") from None
+
+
 def _parse_profile(data: object) -> Profile:
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")

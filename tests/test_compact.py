@@ -21,6 +21,7 @@ import tiny_model as tm  # noqa: E402
 
 from page_local import native  # noqa: E402
 from page_local.native import UnsupportedModel  # noqa: E402
+from tests.capture import tensor_capture  # noqa: E402
 from tests.conftest import random_tokens  # noqa: E402
 
 N_CTX, PROMPT, EXTRA = 1024, 600, 24
@@ -34,32 +35,10 @@ def query_token(model) -> int:
     return 500 if model.n_vocab > 500 else 250
 
 
-class _Tensor(ctypes.Structure):  # the stable head of struct ggml_tensor (ggml.h)
-    _fields_ = [("type", ctypes.c_int32), ("buffer", ctypes.c_void_p),
-                ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4)]
-
-
 def probe_capture():
     """A cb_eval callback keeping a copy of every `page_probe-<il>` tensor: {il: f32 (n_head, n_kv)}."""
-    lc = native.llama_cpp()
-    ggml = ctypes.CDLL(str(native.load()[2].llama_cpp._base_path / "libggml-base.so"))
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    captured: dict[int, np.ndarray] = {}
-
-    def cb(t, ask, _user):
-        name = ggml.ggml_get_name(t).decode()
-        if not name.startswith("page_probe-"):
-            return not ask
-        if not ask:
-            ten = ctypes.cast(t, ctypes.POINTER(_Tensor)).contents
-            out = np.empty((ten.ne[1], ten.ne[0]), dtype=np.float32)
-            ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
-            captured[int(name.split("-")[1])] = out
-        return True
-
-    return lc.ggml_backend_sched_eval_callback(cb), captured
+    cb, captured, _armed = tensor_capture("page_probe-", dims=2)
+    return cb, captured
 
 
 def read_layout(ctx, captured, seq_id):

@@ -6,6 +6,7 @@ nothing (and re-creates removed rows identically), metrics on hand-made rows giv
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -178,6 +179,64 @@ def test_report_writes_markdown_and_plots(tiny, tmp_path):
     assert sorted(r["n_samples"] for r in runs) == [1, 2] and text.count("## Run ") == 2
 
 
+def test_report_with_a_profile_adds_the_calibrated_gate_and_refuses_another_models(tiny, tmp_path, monkeypatch):
+    from page_local.gate import save_profile
+
+    monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))  # the profiles stay out of the module's home
+    rows = [json.loads(line) for line in Path(tiny[0]).read_text().splitlines()]
+    model_id = rows[0]["model"]
+    d = sorted({r["D"] for r in rows})
+    mu, sigma = d[len(d) // 2], 0.01  # the median input sits at z = 0: open; the gate splits the inputs
+    prof = save_profile(model_id, mu, sigma, 100, "test")
+    res = CliRunner().invoke(main, ["eval", "report", str(tiny[0]), "--out", str(tmp_path / "r"), "--profile",
+                                    str(prof), "--json"])
+    assert res.exit_code == 0, res.output
+    for s in json.loads(res.stdout):
+        assert "page-z" in s["gates"] and s["profile"]["threshold_D"] == pytest.approx(mu - 0.6934 * sigma)
+        opened = {o["task"]: o["open_rate"] for o in s["open_rates"] if o["gate"] == "page-z"}
+        assert opened  # one open rate per task under the calibrated rule
+    assert "PAGE (z)" in (tmp_path / "r" / "report.md").read_text()
+    other = save_profile("some-other-model", 0.0, 1.0, 100, "test")
+    res = CliRunner().invoke(main, ["eval", "report", str(tiny[0]), "--out", str(tmp_path / "o"), "--profile", str(other)])
+    assert res.exit_code == 1 and "belongs to model some-other-model" in res.stderr and "Traceback" not in res.output
+    (tmp_path / "bad.json").write_text("{not json")
+    res = CliRunner().invoke(main, ["eval", "report", str(tiny[0]), "--out", str(tmp_path / "b"), "--profile",
+                                    str(tmp_path / "bad.json")])
+    assert res.exit_code == 1 and "cannot read calibration profile" in res.stderr
+
+
+def test_a_gzipped_results_file_reports_the_same_and_is_never_appended_to(tiny, tmp_path):
+    import gzip
+
+    gz = tmp_path / "rows.jsonl.gz"
+    gz.write_bytes(gzip.compress(Path(tiny[0]).read_bytes()))
+    assert read_rows(gz) == read_rows(tiny[0])
+    a = json.loads((write_report(tiny[0], tmp_path / "a").parent / "summary.json").read_text())
+    b = json.loads((write_report(gz, tmp_path / "b").parent / "summary.json").read_text())
+    assert a == b
+    with pytest.raises(ValueError, match="plain JSONL"):
+        _run(gz, "niah_single_1", 1)
+    (tmp_path / "bad.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="not a readable gzip file"):
+        read_rows(tmp_path / "bad.gz")
+
+
+def test_resuming_under_another_gate_rule_is_refused(tiny, tmp_path, monkeypatch):
+    from page_local.gate import save_profile
+
+    out = tmp_path / "raw.jsonl"
+    out.write_bytes(Path(tiny[0]).read_bytes())  # rows decided with the raw threshold
+    model_id = json.loads(out.read_text().splitlines()[0])["model"]
+    monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))
+    save_profile(model_id, 0.05, 0.02, 100, "test")
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match="mix two gate rules"):
+        _run(out, "niah_single_1", 3)  # one more sample to run: its PAGE rows would be calibrated
+    assert out.read_bytes() == before
+    assert _run(out, "niah_single_1", 2)["rows_written"] == 0  # nothing to add: no complaint
+    _run(out, "niah_single_1", 3, gates=("always",))  # no PAGE rows wanted: resumes
+
+
 def test_cli_report_and_usage_errors(tiny, tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["eval", "report", str(tiny[0]), "--out", str(tmp_path / "r"), "--json"])
@@ -255,3 +314,29 @@ def test_metrics_on_hand_made_rows():
     assert au[("-D", "capacity_by_correct", None)]["auroc"] == 1.0
     s = metrics.summarize(rows)
     assert s["n_samples"] == 4 and s["budgets"] == [0.5, 0.125] and s["gates"] == [FULL, "always"]
+
+
+def test_regate_re_decides_page_from_D_between_the_two_evaluated_caches():
+    rows = []
+    # D 0.01, 0.05, 0.09: under mu 0.05, sigma 0.02 -> z -2 (closed), 0 and 2 (open)
+    for i, (D, ok, dn) in enumerate(((0.01, False, 5.0), (0.05, True, 0.1), (0.09, False, 3.0))):
+        full = _row(i, "t", FULL, None, None, True, True, 0.0, D)
+        full.update(prediction="right", finish="stop", nll_evicted=1.0)
+        plain = _row(i, "t", "always", "snapkv", 0.5, ok, True, dn, D, kept=64)
+        plain.update(prediction="x" if not ok else "right", finish="stop", nll_evicted=1.0 + dn)
+        rows += [full, plain]
+    z = metrics.regate(rows, mu=0.05, sigma=0.02)
+    assert [r["gate"] for r in z] == ["page-z"] * 3 and [r["z"] for r in z] == pytest.approx([-2.0, 0.0, 2.0])
+    closed, open1, open2 = z
+    assert not closed["open"] and not closed["evicted"] and closed["correct"] and closed["kept"] == closed["T"]
+    assert closed["delta_nll"] == 0.0 and closed["prediction"] == "right" and closed["delta_nll_candidate"] == 5.0
+    assert open1["open"] and open1["kept"] == 64 and open1["correct"] and open2["open"] and not open2["correct"]
+    ch = {(x["klass"], x["gate"]): x for x in metrics.class_harm(rows + z) if x["definition"] == "by_correct"}
+    # capacity-bound (wrong at the only budget): samples 0 (closed: kept whole) and 2 (opened: harmed)
+    assert ch[("capacity-bound", "always")]["harm_rate"] == 1.0 and ch[("capacity-bound", "page-z")]["harm_rate"] == 0.5
+    assert ch[("capacity-bound", "page-z")]["open_rate"] == 0.5 and ch[("dilution-prone", "page-z")]["open_rate"] == 1.0
+    assert metrics.calibrated_threshold(rows + z) == pytest.approx(0.05 - 0.6934 * 0.02)
+    with pytest.raises(ValueError, match="sigma > 0"):
+        metrics.regate(rows, 0.05, 0.0)
+    with pytest.raises(ValueError, match="gate 'always'"):
+        metrics.regate([r for r in rows if r["gate"] == FULL], 0.05, 0.02)

@@ -4,15 +4,14 @@ gives clear Python errors and leaves the context usable."""
 
 from __future__ import annotations
 
-import ctypes
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from page_local import native
 from page_local.native import InvalidArgument, InvalidPositions, ProbeError
+from tests.capture import tensor_capture
 from tests.conftest import random_tokens
 
 W = 32
@@ -27,36 +26,12 @@ def prefill_and_probe(ctx, tokens, keep_rows=False, top_k=32, seq_id=0):
     return ctx.page.read_probe()
 
 
-class _Tensor(ctypes.Structure):  # the stable head of struct ggml_tensor (ggml.h)
-    _fields_ = [("type", ctypes.c_int32), ("buffer", ctypes.c_void_p),
-                ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4)]
-
-
 def softmax_capture():
-    """A cb_eval callback that copies every `kq_soft_max-<il>` tensor while `armed[0]` is True."""
-    lc = native.llama_cpp()
-    ggml = ctypes.CDLL(str(native.load()[2].llama_cpp._base_path / "libggml-base.so"))
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    captured: dict[int, np.ndarray] = {}
-    armed = [False]
-
-    def cb(t, ask, _user):
-        name = ggml.ggml_get_name(t).decode()
-        if not name.startswith("kq_soft_max-"):
-            return not ask  # ask: "do you want this one?"; otherwise keep computing
-        if ask:
-            return True
-        if armed[0]:
-            ten = ctypes.cast(t, ctypes.POINTER(_Tensor)).contents
-            shape = tuple(int(x) for x in ten.ne)[::-1]  # numpy order: [1, n_head, n_tokens, n_kv]
-            out = np.empty(shape, dtype=np.float32)
-            ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
-            captured[int(name.split("-")[1])] = out[0]
-        return True
-
-    return lc.ggml_backend_sched_eval_callback(cb), captured, armed
+    """A cb_eval callback that copies every `kq_soft_max-<il>` tensor ([n_head, n_tokens, n_kv]) while
+    `armed[0]` is True."""
+    cb, captured, armed = tensor_capture("kq_soft_max-", dims=3)
+    armed[0] = False
+    return cb, captured, armed
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ import numpy as np
 
 FULL = "full"
 HARM_NATS = 1.0
-GATE_ORDER = ("full", "always", "page", "verify", "page+verify")
+CALIBRATED = "page-z"  # the PAGE gate re-decided under a calibration profile (regate)
+GATE_ORDER = ("full", "always", "page", CALIBRATED, "verify", "page+verify")
 RUN_FIELDS = ("model", "length_target", "query_agnostic", "verify_m")
 
 
@@ -193,19 +194,24 @@ def compression(rows: Iterable[dict]) -> list[dict]:
 
 
 def open_rates(rows: Iterable[dict]) -> list[dict]:
-    """Per (task, gate kind): PAGE's open rate (per sample) and verify's open rate (per evictor x budget)."""
+    """Per (task, gate kind): PAGE's open rate (per sample; raw rule, and "page-z" when re-gated) and
+    verify's open rate (per evictor x budget)."""
     page: dict[str, dict] = defaultdict(dict)
+    calib: dict[str, dict] = defaultdict(dict)
     ver: dict[tuple, list[bool]] = defaultdict(list)
     seen = set()
     for r in rows:
-        page[r["task"]][sample_id(r)] = bool(r.get("page_open"))
+        if r["gate"] == CALIBRATED:
+            calib[r["task"]][sample_id(r)] = bool(r.get("page_open"))
+        else:
+            page[r["task"]][sample_id(r)] = bool(r.get("page_open"))
         if r.get("evictor") is not None and r.get("delta_self") is not None:
             k = (sample_id(r), r["evictor"], r["budget"])
             if k not in seen:
                 seen.add(k)
                 ver[(r["task"], r["evictor"], r["budget"])].append(bool(r.get("verify_open")))
-    out = [dict(task=t, gate="page", evictor=None, budget=None, n=len(v), open_rate=_mean(list(v.values())))
-           for t, v in sorted(page.items())]
+    out = [dict(task=t, gate=g, evictor=None, budget=None, n=len(v), open_rate=_mean(list(v.values())))
+           for g, per in (("page", page), (CALIBRATED, calib)) for t, v in sorted(per.items())]
     out += [dict(task=t, gate="verify", evictor=e, budget=b, n=len(v), open_rate=_mean(v))
             for (t, e, b), v in sorted(ver.items(), key=lambda kv: (kv[0][0], kv[0][1], _budget_sort(kv[0][2])))]
     return out
@@ -248,7 +254,8 @@ def class_counts(cls: dict[tuple, dict]) -> list[dict]:
 
 def class_harm(rows: Iterable[dict], cls: dict[tuple, dict] | None = None) -> list[dict]:
     """Harm per (definition, class, evictor, gate), pooled over budgets: on each class, how often each
-    gate still harms (correctness: among full-correct; ΔNLL > 1 nat) and the compression it realizes."""
+    gate still harms (correctness: among full-correct; ΔNLL > 1 nat), the compression it realizes and
+    how often it opens (a gate that separates the classes opens on dilution-prone inputs only)."""
     rows = list(rows)
     cls = classes(rows) if cls is None else cls
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -271,7 +278,8 @@ def class_harm(rows: Iterable[dict], cls: dict[tuple, dict] | None = None) -> li
             n_h = sum(1 for r in rs if r["delta_nll"] > HARM_NATS)
             rate, n = _rate(n_h, len(rs)), len(rs)
         out.append(dict(definition=definition, klass=klass, evictor=ev, gate=g, n=n, n_harmed=n_h, harm_rate=rate,
-                        compression=_mean([r["T"] / r["kept"] if r["kept"] else 1.0 for r in rs])))
+                        compression=_mean([r["T"] / r["kept"] if r["kept"] else 1.0 for r in rs]),
+                        open_rate=_mean([bool(r["open"]) for r in rs])))
     out.sort(key=lambda d: (d["definition"], d["klass"], d["evictor"], _gate_sort(d["gate"])))
     return out
 
@@ -348,6 +356,39 @@ def calibrated_threshold(rows: Iterable[dict]) -> float | None:
         return None
     sigma, mu = np.polyfit(d[1], d[0], 1)  # D = mu + z sigma
     return float(mu + Z_THRESHOLD * sigma)
+
+
+def regate(rows: Iterable[dict], mu: float, sigma: float, z_threshold: float | None = None) -> list[dict]:
+    """The rows a calibrated PAGE gate (open iff z = (D - mu) / sigma >= z_threshold, default
+    theta_z = -0.6934) gives on these inputs, as gate "page-z".
+
+    No model run is needed: a PAGE gate only chooses between two caches the runner already
+    evaluated — the plain evictor's ("always" rows) and the full cache ("full" rows) — so each new
+    row is the always-row when the gate opens and the full-cache outcome when it stays closed."""
+    from ..gate import Z_THRESHOLD
+
+    th = Z_THRESHOLD if z_threshold is None else float(z_threshold)
+    if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"a calibration profile needs a finite mu and sigma > 0, got mu={mu!r} sigma={sigma!r}")
+    rows = list(rows)
+    full = {sample_id(r): r for r in rows if r["gate"] == FULL}
+    plain = [r for r in rows if r["gate"] == "always"]
+    if not plain:
+        raise ValueError("re-gating needs the plain evictor's rows (gate 'always'); run the evaluation "
+                         "with --gates always,...")
+    out = []
+    for r in plain:
+        f = full.get(sample_id(r))
+        if f is None:
+            continue  # an interrupted sample without its full-cache row: nothing to fall back to
+        z = None if r.get("D") is None else (float(r["D"]) - mu) / sigma
+        is_open = z is not None and z >= th
+        new = dict(r, gate=CALIBRATED, z=z, page_open=is_open, rule="calibrated", open=is_open)
+        if not (is_open and r["evicted"]):
+            new.update(evicted=False, kept=r["T"], compression=1.0, prediction=f["prediction"], finish=f["finish"],
+                       score=f["score"], correct=f["correct"], nll_evicted=f["nll_evicted"], delta_nll=0.0)
+        out.append(new)
+    return out
 
 
 def timing(rows: Iterable[dict]) -> dict:

@@ -19,7 +19,8 @@ import numpy as np
 from . import metrics
 from .runner import read_rows
 
-GATE_LABEL = {"full": "full", "always": "plain", "page": "PAGE", "verify": "verify", "page+verify": "PAGE+verify"}
+GATE_LABEL = {"full": "full", "always": "plain", "page": "PAGE", metrics.CALIBRATED: "PAGE (z)", "verify": "verify",
+              "page+verify": "PAGE+verify"}
 
 
 def _f(v, digits: int = 3) -> str:
@@ -102,8 +103,8 @@ def _class_tables(s: dict) -> str:
                  "capacity (ΔNLL)", "dilution (ΔNLL)", "mean D capacity", "mean D dilution"], rows)
     rows = [[{"by_correct": "correctness", "by_nll": "ΔNLL > 1"}[h["definition"]], h["klass"], h["evictor"],
              GATE_LABEL.get(h["gate"], h["gate"]), f"{h['n_harmed']}/{h['n']}", _f(h["harm_rate"], 2),
-             _f(h["compression"], 2)] for h in s["class_harm"]]
-    t2 = _table(["class definition", "class", "evictor", "gate", "harmed", "harm rate", "T/kept"], rows)
+             _f(h["compression"], 2), _f(h["open_rate"], 2)] for h in s["class_harm"]]
+    t2 = _table(["class definition", "class", "evictor", "gate", "harmed", "harm rate", "T/kept", "open rate"], rows)
     return t1 + "\n\nHarm on each class (pooled over budgets):\n\n" + t2
 
 
@@ -146,7 +147,11 @@ def markdown(s: dict, plots: dict[str, str] | None = None, title: str | None = N
              "Gates: plain = the evictor always; PAGE = evict iff the PAGE gate opens "
              "(raw D ≥ 0.07, or calibrated z ≥ −0.6934"
              + (f"; here D ≥ {s['calibrated_threshold']:.4f}" if s.get("calibrated_threshold") is not None else "")
-             + "); verify = evict iff Δself ≤ 0.05 nats/token over the first m full-cache tokens.",
+             + "); verify = evict iff Δself ≤ 0.05 nats/token over the first m full-cache tokens."
+             + (f" PAGE (z) = the PAGE gate re-decided from each input's D under the calibration profile "
+                f"`{s['profile']['file']}` (unlabeled pilot of {s['profile']['n_pilot']} prompts: "
+                f"μ = {s['profile']['mu']:.4f}, σ = {s['profile']['sigma']:.4f}): open iff z ≥ −0.6934, "
+                f"i.e. D ≥ {s['profile']['threshold_D']:.4f}." if s.get("profile") else ""),
              "### Accuracy vs budget", _accuracy_table(s)]
     if plots and plots.get("accuracy"):
         parts.append(f"![accuracy vs budget]({plots['accuracy']})")
@@ -186,8 +191,8 @@ def plot_accuracy(s: dict, path: Path) -> Path | None:
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False)
     x = np.arange(len(budgets))
     markers = ["o", "s", "^", "D", "v", "P", "X"]
-    gate_style = {"always": ("tab:red", "-"), "page": ("tab:blue", "--"), "verify": ("tab:green", ":"),
-                  "page+verify": ("tab:purple", "-.")}
+    gate_style = {"always": ("tab:red", "-"), "page": ("tab:blue", "--"), metrics.CALIBRATED: ("tab:cyan", "--"),
+                  "verify": ("tab:green", ":"), "page+verify": ("tab:purple", "-.")}
     for i, task in enumerate(tasks):
         ax = axes[i // ncol][i % ncol]
         full = acc.get((task, None, None, "full"))
@@ -276,8 +281,14 @@ def plot_roc(rows: Sequence[dict], path: Path) -> Path | None:
     return path
 
 
-def write_report(rows_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
-    """report.md (+ summary.json and PNG plots) in out_dir (default: <rows file stem>_report beside it)."""
+def write_report(rows_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                 profile: str | os.PathLike | None = None) -> Path:
+    """report.md (+ summary.json and PNG plots) in out_dir (default: <rows file stem>_report beside it).
+
+    profile: a calibration profile file (`page-local calibrate`); the runs of its model get the gate
+    "page-z", the PAGE gate re-decided under it (metrics.regate), beside the raw rule."""
+    from ..gate import Z_THRESHOLD, read_profile_file
+
     rows_path = Path(rows_path)
     if not rows_path.exists():
         raise FileNotFoundError(f"no such results file: {rows_path}")
@@ -287,11 +298,22 @@ def write_report(rows_path: str | os.PathLike, out_dir: str | os.PathLike | None
     out_dir = Path(out_dir) if out_dir is not None else rows_path.with_name(rows_path.stem + "_report")
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = metrics.split_runs(rows)
+    prof = read_profile_file(profile) if profile is not None else None
+    if prof is not None and not any(rid[0] == prof.model_id for rid in runs):
+        models = ", ".join(sorted({str(rid[0]) for rid in runs}))
+        raise ValueError(f"the profile {profile} belongs to model {prof.model_id}; {rows_path.name} holds results "
+                         f"of {models} (calibrate the model the results are for)")
     parts = [f"# Evaluation report: {rows_path.name}"]
     summaries = []
     for i, (rid, rrows) in enumerate(runs.items()):
         prefix = "" if len(runs) == 1 else f"run{i + 1}_"
+        prof_info = None
+        if prof is not None and rid[0] == prof.model_id:
+            rrows = rrows + metrics.regate(rrows, prof.mu, prof.sigma)
+            prof_info = dict(file=Path(profile).name, mu=prof.mu, sigma=prof.sigma, n_pilot=prof.n_pilot,
+                             threshold_D=prof.mu + Z_THRESHOLD * prof.sigma)
         s = metrics.summarize(rrows)
+        s["profile"] = prof_info
         plots = {}
         for key, stem, fn in (("accuracy", "accuracy_vs_budget", lambda p: plot_accuracy(s, p)),
                               ("D", "D_by_task", lambda p: plot_d(rrows, s, p)),

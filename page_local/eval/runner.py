@@ -477,11 +477,21 @@ def row_key(row: dict) -> tuple:
 
 def read_rows(path: str | os.PathLike, repair: bool = False) -> list[dict]:
     """Rows of a results file. A truncated LAST line (an interrupted write) is ignored, and with
-    repair=True cut off the file; a bad line elsewhere is a ValueError naming it."""
+    repair=True cut off the file; a bad line elsewhere is a ValueError naming it. A file ending in
+    .gz (a committed, compressed results file) is read as gzip; it is never repaired."""
     path = Path(path)
     if not path.exists():
         return []
-    data = path.read_bytes()
+    if path.suffix == ".gz":
+        import gzip
+
+        try:
+            data = gzip.decompress(path.read_bytes())
+        except (OSError, EOFError) as e:
+            raise ValueError(f"{path}: not a readable gzip file ({e})") from None
+        repair = False
+    else:
+        data = path.read_bytes()
     rows, offset = [], 0
     lines = data.split(b"\n")
     for i, line in enumerate(lines):
@@ -552,6 +562,28 @@ def load_samples(prompter: ChatPrompter | None, tasks: Sequence[str] | None, n: 
     return [s for t in tasks for s in generate(t, n, target, prompter.count_tokens, seed)]
 
 
+def _check_same_rule(existing: list[dict], model_id: str, page_gate, out: Path) -> None:
+    """Refuse to resume a results file whose PAGE rows were decided under another rule: a profile
+    stored (or changed, or removed) since would silently mix raw and calibrated decisions."""
+    from ..gate import profile_path
+
+    prof = page_gate.profile
+    for r in existing:
+        if r.get("model") != model_id or r.get("rule") not in ("raw", "calibrated") or r.get("D") is None:
+            continue
+        if prof is None and r["rule"] == "calibrated":
+            why = "under a calibration profile that is no longer stored"
+        elif prof is not None and r["rule"] == "raw":
+            why = f"with the raw threshold, before the calibration profile {profile_path(model_id)} was stored"
+        elif prof is not None and r.get("z") is not None and not math.isclose(
+                (float(r["D"]) - prof.mu) / prof.sigma, float(r["z"]), rel_tol=1e-6, abs_tol=1e-9):
+            why = f"under another calibration profile than {profile_path(model_id)}"
+        else:
+            continue
+        raise ValueError(f"{out} holds PAGE decisions made {why}; resuming would mix two gate rules. "
+                         "Write to another --out file (or restore the profile the file was made with).")
+
+
 def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10, length: int | None = 2048,
              budgets: Sequence = DEFAULT_BUDGETS, evictors: Sequence[str] = ("snapkv",),
              gates: Sequence[str] = ("always", "page"), out: str | os.PathLike = "results/eval.jsonl",
@@ -588,6 +620,9 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
             if input is None:
                 get_task(t)
     out = Path(out)
+    if out.suffix == ".gz":
+        raise ValueError(f"--out {out}: results are appended as plain JSONL; compressed .gz files are for "
+                         "reading (eval report) only. Write to a .jsonl file.")
     model_id = gate_mod.model_identity(path)
     source = "generated" if input is None else str(input)
 
@@ -619,7 +654,8 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
         return tuple(_jkey(vals[k]) for k in KEY_FIELDS)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    present = {row_key(r) for r in read_rows(out, repair=True)}
+    existing = read_rows(out, repair=True)
+    present = {row_key(r) for r in existing}
     todo = []
     total = len(prompts) * len(configs)
     done = 0
@@ -635,11 +671,13 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
                   wall_s=0.0, per_sample_s=None, n_ctx=n_ctx, model=model_id)
     if not todo:
         return result
+    page_gate = gate_mod.Gate.for_model(model_id, "page")
+    if any(g in ("page", "page+verify") for g in gates):
+        _check_same_rule(existing, model_id, page_gate, out)
 
     t_start = time.perf_counter()
     with Engine(path, n_ctx=n_ctx, budget=0.5, evictor="snapkv", gate="never", threads=threads,
                 seed=seed) as eng:
-        page_gate = gate_mod.Gate.for_model(eng.model_id, "page")
         result["profile"] = None if page_gate.profile is None else dict(
             mu=page_gate.profile.mu, sigma=page_gate.profile.sigma, n_pilot=page_gate.profile.n_pilot)
         result["profile_warning"] = page_gate.warning
