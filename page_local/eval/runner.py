@@ -156,8 +156,6 @@ def _logp(logits: np.ndarray, tok: int) -> float:
     return float(x[tok] - m - math.log(np.exp(x - m).sum()))
 
 
-
-
 def _decode_all(ctx, tokens: Sequence[int], pos: int, seq: int) -> list[np.ndarray]:
     """Decode tokens at pos.. in seq with logits for every token; returns them (chunks of n_batch)."""
     out = []
