@@ -65,15 +65,28 @@ def read_pilot(path: str | Path) -> list[str]:
     return prompts
 
 
-def builtin_pilot(engine, n: int, lengths=DEFAULT_LENGTHS, seed: int = 0) -> list[str]:
-    """n generated prompts sized with the model's own tokenizer (chat template applied by the caller)."""
+def chat_renderer(model) -> Callable[[str, str], str] | None:
+    """render(user, answer_prefix) -> the prompt as the model's chat template frames it (as `chat`
+    and `eval run` send it), or None when the GGUF has no chat template (a base model)."""
+    if not model.metadata().get("tokenizer.chat_template"):
+        return None
+    from .eval.runner import ChatPrompter
+
+    return ChatPrompter(model).render
+
+
+def builtin_pilot(engine, n: int, lengths=DEFAULT_LENGTHS, seed: int = 0,
+                  render: Callable[[str, str], str] | None = None) -> list[str]:
+    """n generated prompts sized with the model's own tokenizer; render(user, answer_prefix) frames
+    each one (chat_renderer), or the plain text (context, question, answer prefix) when None."""
     lengths = [L for L in lengths if L + 128 <= engine.n_ctx]
     if not lengths:
         raise ValueError(f"n_ctx = {engine.n_ctx} is too small for the built-in pilot (its prompts take "
                          f"{min(DEFAULT_LENGTHS)} tokens or more): use n_ctx >= {min(DEFAULT_LENGTHS) + 128} "
                          "or a pilot file of your own")
     count = lambda text: len(engine.model.tokenize(text, add_special=False))  # noqa: E731
-    return [s.text() for s in pilot_prompts(n, lengths, count, seed)]
+    samples = pilot_prompts(n, lengths, count, seed)
+    return [render(*s.messages()) if render else s.text() for s in samples]
 
 
 def calibrate(engine, prompts: list[str], progress: Callable[[int, int], None] | None = None) -> Calibration:

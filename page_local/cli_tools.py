@@ -163,16 +163,21 @@ def models_install(name, as_json):
 @click.option("--n", "n", type=click.IntRange(min=2), default=None,
               help="Pilot size: built-in prompts to generate (default 100), or the first N of --pilot "
                    "(default all).")
+@click.option("--chat-template/--plain", "chat_template", default=True, show_default=True,
+              help="Frame each pilot prompt as a user turn of the model's chat template, as `chat` and "
+                   "`eval run` send prompts (models without a template: plain), or measure the plain text "
+                   "(as `run` and `inspect` send it). Calibrate the way your prompts reach the gate.")
 @_ctx_options
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"model", "model_id", "profile", "n", "mu", "sigma", "z_threshold", '
-                   '"raw_threshold", "open", "open_raw", "prompts", "skipped_too_long", "skipped_empty", "drops"}')
-def calibrate_cmd(model, pilot, n, n_ctx, threads, as_json):
+                   '"raw_threshold", "open", "open_raw", "prompts", "skipped_too_long", "skipped_empty", '
+                   '"chat_template", "drops"}')
+def calibrate_cmd(model, pilot, n, chat_template, n_ctx, threads, as_json):
     """Calibrate the PAGE gate for a model on an unlabeled pilot and store its profile.
 
     The gate then opens iff z = (D - mu)/sigma >= -0.6934, with mu and sigma the mean and standard
     deviation of D over the pilot. Prompts longer than --n-ctx are skipped and counted."""
-    from .calibrate import builtin_pilot, calibrate, read_pilot
+    from .calibrate import builtin_pilot, calibrate, chat_renderer, read_pilot
 
     prompts = None
     if pilot is not None:  # checked before the model loads
@@ -192,17 +197,20 @@ def calibrate_cmd(model, pilot, n, n_ctx, threads, as_json):
     console = _console(stderr=True)
     try:
         with Engine(path, n_ctx=n_ctx, threads=threads, gate="page") as eng:
+            render = chat_renderer(eng.model) if chat_template else None
             if prompts is None:
                 with console.status(f"generating {n or 100} built-in pilot prompts", spinner="dots") \
                         if console.is_terminal else contextlib.nullcontext():
                     try:
-                        prompts = builtin_pilot(eng, n or 100)
+                        prompts = builtin_pilot(eng, n or 100, render=render)
                     except ValueError as e:  # a task's smallest instance does not fit this n_ctx
                         pilot_error = e
                     else:
                         pilot_error = None
                 if pilot_error is not None:
                     _fail(f"cannot build the built-in pilot: {pilot_error} (--n-ctx, or --pilot FILE)", 2)
+            elif render is not None:  # your prompts as user turns; blank ones stay blank (counted below)
+                prompts = [render(p, "") if p.strip() else p for p in prompts]
             empty = sum(1 for p in prompts if not p.strip())
             fits = [p for p in prompts if p.strip() and len(eng.model.tokenize(p, add_special=True)) + 1 <= eng.n_ctx]
             too_long = len(prompts) - empty - len(fits)
@@ -231,12 +239,15 @@ def calibrate_cmd(model, pilot, n, n_ctx, threads, as_json):
             "model": str(path), "model_id": model_id, "profile": str(cal.profile_path), "n": cal.n,
             "mu": cal.mu, "sigma": cal.sigma, "z_threshold": gate_mod.Z_THRESHOLD,
             "raw_threshold": cal.raw_threshold, "open": n_open, "open_raw": n_open_raw,
-            "prompts": len(prompts), "skipped_too_long": too_long, "skipped_empty": empty, "drops": cal.drops}))
+            "prompts": len(prompts), "skipped_too_long": too_long, "skipped_empty": empty,
+            "chat_template": render is not None, "drops": cal.drops}))
         return
     source = f"pilot file {pilot}" if pilot else "built-in pilot"
     skipped = f"; skipped {too_long} longer than n_ctx = {n_ctx}" if too_long else ""
     skipped += f"; skipped {empty} empty" if empty else ""
-    click.echo(f"calibrated {_model_name(path)} ({model_id}) on {cal.n} prompts of the {source}{skipped}")
+    framing = "as chat-template user turns" if render is not None else "as plain text"
+    click.echo(f"calibrated {_model_name(path)} ({model_id}) on {cal.n} prompts of the {source} "
+               f"({framing}){skipped}")
     click.echo(f"mu = {cal.mu:.4f}  sigma = {cal.sigma:.4f}  n = {cal.n}")
     click.echo(f"gate: open iff z = (D - mu)/sigma >= {gate_mod.Z_THRESHOLD:g}, i.e. D >= {cal.raw_threshold:.4f} "
                f"(uncalibrated: D >= {gate_mod.RAW_THRESHOLD:g})")

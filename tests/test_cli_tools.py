@@ -82,10 +82,11 @@ def test_calibrate_matches_inspect(cli, tmp_path):
     assert first["decision"]["z"] is None and first["decision"]["rule"] == "raw" and first["profile"] is None
     assert first["threshold_D"] == RAW_THRESHOLD
 
-    res = cli("calibrate", "--pilot", pilot, "--n", 7, "--json", *SMALL)
+    # --plain: the prompts exactly as `inspect` sends them (the default frames them as chat turns)
+    res = cli("calibrate", "--pilot", pilot, "--n", 7, "--plain", "--json", *SMALL)
     assert res.exit_code == 0, res.output
     cal = json.loads(res.stdout)
-    assert cal["prompts"] == 7 and cal["skipped_too_long"] == 1 and cal["n"] == 6
+    assert cal["prompts"] == 7 and cal["skipped_too_long"] == 1 and cal["n"] == 6 and not cal["chat_template"]
     profile = json.loads(open(cal["profile"], encoding="utf-8").read())
     assert cal["profile"].startswith(str(tmp_path / "home"))
     assert (profile["mu"], profile["sigma"], profile["n_pilot"]) == (cal["mu"], cal["sigma"], 6)
@@ -111,6 +112,40 @@ def test_calibrate_matches_inspect(cli, tmp_path):
         assert o["threshold_D"] == pytest.approx(cal["raw_threshold"])
         assert len(d["agreement"]) == o["n_layer"] == 30
 
+
+
+def test_calibrate_frames_prompts_as_chat_turns_by_default(cli, smollm2_path, tmp_path):
+    """By default each pilot prompt is measured as a user turn of the model's chat template (as `chat`
+    and `eval run` send prompts): its D is what `inspect` reports on that rendered text, not on the
+    bare prompt, which --plain measures."""
+    from page_local.calibrate import chat_renderer
+    from page_local.runtime import Model
+
+    prompts = pilot_prompts(3)
+    with Model(smollm2_path) as m:
+        render = chat_renderer(m)
+    assert render is not None  # SmolLM2-Instruct carries a chat template
+    framed = [render(p, "") for p in prompts]
+    for p, f in zip(prompts, framed):
+        assert f.startswith("<|im_start|>") and f"user\n{p}<|im_end|>" in f and f.endswith("assistant\n"), f
+    pilot = tmp_path / "pilot.txt"
+    pilot.write_text("\n".join(prompts) + "\n", encoding="utf-8")
+
+    def inspect_D(text: str) -> float:
+        r = cli("inspect", "--prompt", text, "--json", *SMALL)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["decision"]["D"]
+
+    res = cli("calibrate", "--pilot", pilot, "--json", *SMALL)
+    assert res.exit_code == 0, res.output
+    cal = json.loads(res.stdout)
+    assert cal["chat_template"] and cal["n"] == 3
+    chat_D = [inspect_D(f) for f in framed]
+    assert np.allclose(cal["drops"], chat_D, rtol=0, atol=1e-12)
+    plain = json.loads(cli("calibrate", "--pilot", pilot, "--plain", "--json", *SMALL).stdout)
+    assert not plain["chat_template"]
+    assert np.allclose(plain["drops"], [inspect_D(p) for p in prompts], rtol=0, atol=1e-12)
+    assert not np.allclose(plain["drops"], chat_D, rtol=0, atol=1e-6)  # the framing changes what the probe sees
 
 
 def test_calibrate_builtin_pilot_needs_room(cli, tmp_path):
