@@ -68,7 +68,7 @@ def _d_threshold(gate) -> tuple[float, str, str]:
     p = gate.profile
     if p is None:
         return gate.threshold, f"D >= {gate.threshold:g}", "raw rule"
-    t = p.mu + gate.z_threshold * p.sigma
+    t = gate.d_threshold
     return t, f"D >= {t:.4f}", (f"calibrated: z = (D - mu)/sigma >= {gate.z_threshold:g}, "
                                 f"mu = {p.mu:.4f}, sigma = {p.sigma:.4f}")
 

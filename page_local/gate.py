@@ -93,6 +93,12 @@ class Gate:
         gate.warning = status.warning
         return gate
 
+    @property
+    def d_threshold(self) -> float:
+        """The D at which the page mode flips: the raw threshold, or mu + z_threshold * sigma."""
+        p = self.profile
+        return self.threshold if p is None else p.mu + self.z_threshold * p.sigma
+
     def decide(self, D: float | None) -> GateDecision:
         """Open or closed for one input with drop D (D may be None only in the forced modes)."""
         if D is not None:

@@ -287,7 +287,7 @@ def write_report(rows_path: str | os.PathLike, out_dir: str | os.PathLike | None
 
     profile: a calibration profile file (`page-local calibrate`); the runs of its model get the gate
     "page-z", the PAGE gate re-decided under it (metrics.regate), beside the raw rule."""
-    from ..gate import Z_THRESHOLD, read_profile_file
+    from ..gate import Gate, read_profile_file
 
     rows_path = Path(rows_path)
     if not rows_path.exists():
@@ -311,7 +311,7 @@ def write_report(rows_path: str | os.PathLike, out_dir: str | os.PathLike | None
         if prof is not None and rid[0] == prof.model_id:
             rrows = rrows + metrics.regate(rrows, prof.mu, prof.sigma)
             prof_info = dict(file=Path(profile).name, mu=prof.mu, sigma=prof.sigma, n_pilot=prof.n_pilot,
-                             threshold_D=prof.mu + Z_THRESHOLD * prof.sigma)
+                             threshold_D=Gate("page", prof).d_threshold)
         s = metrics.summarize(rrows)
         s["profile"] = prof_info
         plots = {}

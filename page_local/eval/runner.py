@@ -574,7 +574,7 @@ def _check_same_rule(existing: list[dict], model_id: str, page_gate, out: Path) 
         elif prof is not None and r["rule"] == "raw":
             why = f"with the raw threshold, before the calibration profile {profile_path(model_id)} was stored"
         elif prof is not None and r.get("z") is not None and not math.isclose(
-                (float(r["D"]) - prof.mu) / prof.sigma, float(r["z"]), rel_tol=1e-6, abs_tol=1e-9):
+                page_gate.decide(float(r["D"])).z, float(r["z"]), rel_tol=1e-6, abs_tol=1e-9):
             why = f"under another calibration profile than {profile_path(model_id)}"
         else:
             continue
