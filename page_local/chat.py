@@ -1,5 +1,5 @@
-"""Multi-turn chat on an Engine: the model's own chat template (GGUF metadata, rendered by
-llama-cpp-python's Jinja2 chat formatter; no hand-written templates) and incremental prefill.
+"""Multi-turn chat on an Engine: the model's own chat template (chat_template.ChatTemplate) and
+incremental prefill.
 
 Each turn renders the whole conversation, and only the text that is not in the KV cache yet is
 tokenized and decoded; the PAGE gate runs after each user turn's prefill (Engine._prefill_and_gate),
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import persist
+from .chat_template import ChatTemplate
 from .engine import ContextFull, Engine, Result, Sampling
 
 SAVE_FORMAT = "page-local-chat"
@@ -33,16 +34,8 @@ class Message:
 
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None):
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         self.engine = engine
-        meta = engine.model.metadata()
-        template = meta.get("tokenizer.chat_template")
-        if not template:
-            raise ValueError(f"{engine.model.path.name} has no chat template in its GGUF metadata; use `page-local run`")
-        lm = engine.model.llama_model
-        self._fmt = Jinja2ChatFormatter(template=template, eos_token=lm.token_get_text(lm.token_eos()),
-                                        bos_token=lm.token_get_text(lm.token_bos()))
+        self._template = ChatTemplate(engine.model, fallback="use `page-local run` for plain text")
         self.system = system
         self.messages: list[Message] = []
         self._text = ""  # the exact text that is in the KV cache, in order
@@ -53,13 +46,7 @@ class ChatSession:
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [
             {"role": m.role, "content": m.content} for m in messages]
-        self._fmt.add_generation_prompt = generation_prompt
-        text = self._fmt(messages=msgs).prompt
-        bos = self._fmt.bos_token
-        # llama.cpp adds BOS itself when the vocabulary asks for it; otherwise the text stays as
-        # rendered (SmolLM2's "BOS" is <|im_start|>, which the template's first turn needs)
-        adds_bos = self.engine.model.llama_model.add_bos_token()
-        return text[len(bos):] if adds_bos and bos and text.startswith(bos) else text
+        return self._template.render(msgs, generation_prompt)
 
     def _delta(self, rendered: str) -> str:
         if rendered.startswith(self._text):

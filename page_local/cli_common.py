@@ -26,11 +26,13 @@ def fail(message: str, code: int) -> None:
 
 def runtime_errors() -> tuple[type[BaseException], ...]:
     """The exceptions reported as one line with exit code 1 (ValueError from input checks: 2)."""
+    from .chat_template import ChatTemplateError  # a ValueError, but the model file is at fault
     from .engine import ContextFull, EngineBusy
     from .native import PageError
     from .runtime import DecodeError, ModelError
 
-    return (ContextFull, EngineBusy, ModelError, PageError, DecodeError, models.ModelNotInstalled, OSError)
+    return (ChatTemplateError, ContextFull, EngineBusy, ModelError, PageError, DecodeError, models.ModelNotInstalled,
+            OSError)
 
 
 def resolve_model(model: str | None) -> Path:

@@ -27,6 +27,7 @@ from rich.text import Text
 from . import models
 from .cli_common import BudgetType, model_option, parse_budget
 from .chat import ChatFileError, ChatSession
+from .chat_template import ChatTemplateError
 from .engine import ContextFull, Engine, Sampling
 from .evictors import EVICTORS
 from .engine import GATE_MODES as MODES
@@ -138,6 +139,8 @@ class Repl:
         except ContextFull as e:
             self._context_full(e)
             return
+        except ChatTemplateError as e:  # raised while rendering, before anything reached the cache
+            return self._error(f"the message was not sent: {e}")
         except (RuntimeError, ValueError) as e:  # a decode failure: the cache may be out of step
             return self._error(f"the turn failed: {e}. /clear starts over.")
         finally:
@@ -400,8 +403,8 @@ class Repl:
         except (ChatFileError, RuntimeError, ValueError) as e:
             try:
                 undo()
-                self._error(f"{failed}: {e} (does it fit in n_ctx {self.engine.n_ctx}?); "
-                            "the conversation is as it was")
+                hint = "" if isinstance(e, ChatTemplateError) else f" (does it fit in n_ctx {self.engine.n_ctx}?)"
+                self._error(f"{failed}: {e}{hint}; the conversation is as it was")
             except (RuntimeError, ValueError):
                 self.session.clear()
                 self._error(f"{failed}: {e}; the conversation could not be restored either and was cleared")

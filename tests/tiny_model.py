@@ -183,6 +183,7 @@ def write_tiny_llama(
     rms_eps: float = 1e-5,
     qk_std: float = 1.4,
     attn_out_scale: float = 1.0,
+    chat_template: str | None = None,
 ) -> TinyWeights:
     """Write a random all-F32 GGUF and return the weights (float64 copies of what was written).
 
@@ -286,6 +287,8 @@ def write_tiny_llama(
     w.add_unk_token_id(UNK_ID)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     w.add_tensor("token_embd.weight", tok_embd)
     w.add_tensor("output_norm.weight", output_norm)

@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import scoring
+from ..chat_template import ChatTemplate
 from ..lookahead import log_softmax
 from .readers import read_samples
 from .tasks import Sample, generate, get_task
@@ -80,34 +81,17 @@ class Prompt:
 
 
 class ChatPrompter:
-    """Renders samples with the model's chat template, as chat.ChatSession does.
-
-    The BOS text is stripped from the rendered text only when the vocabulary adds BOS itself
-    (llama_vocab_get_add_bos): SmolLM2's "bos" is <|im_start|>, which it does not add.
+    """Renders samples with the model's chat template (chat_template.ChatTemplate, as chat.ChatSession
+    does): the user turn, the opened assistant turn, then the answer prefix.
     plain=True (base models without a template): the user text, a blank line, the answer prefix.
     """
 
     def __init__(self, model, system: str | None = None, plain: bool = False):
-        from .. import native
-
-        lc = native.llama_cpp()  # the patched library must be loaded before llama_cpp is imported
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         self.model = model
         self.system = system
         self.plain = plain
-        if plain:
-            self._fmt = None
-            self.overhead = len(self.model.tokenize(self.render("", ""), add_special=True))
-            return
-        template = model.metadata().get("tokenizer.chat_template")
-        if not template:
-            raise ValueError(f"{Path(model.path).name} has no chat template in its GGUF metadata (a base "
-                             "model?); evaluate it with --plain (user text + answer prefix, no chat markup)")
-        lm = model.llama_model
-        self._fmt = Jinja2ChatFormatter(template=template, eos_token=lm.token_get_text(lm.token_eos()),
-                                        bos_token=lm.token_get_text(lm.token_bos()), add_generation_prompt=True)
-        self._adds_bos = bool(lc.llama_vocab_get_add_bos(model.vocab))
+        self._template = None if plain else ChatTemplate(
+            model, fallback="pass --plain (user text + answer prefix, no chat markup)")
         self.overhead = len(self.model.tokenize(self.render("", ""), add_special=True))
 
     def render(self, user: str, answer_prefix: str) -> str:
@@ -116,11 +100,7 @@ class ChatPrompter:
             return f"{head}{user}\n\n{answer_prefix}" if user else f"{head}{answer_prefix}"
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [
             {"role": "user", "content": user}]
-        text = self._fmt(messages=msgs).prompt
-        bos = self._fmt.bos_token
-        if self._adds_bos and bos and text.startswith(bos):  # llama.cpp adds it when tokenizing
-            text = text[len(bos):]
-        return text + answer_prefix
+        return self._template.render(msgs, generation_prompt=True) + answer_prefix
 
     def count_tokens(self, text: str) -> int:
         """Tokens of a text without chat markup (tasks.generate's length control)."""
