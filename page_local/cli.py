@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from .cli_common import BudgetType, fail, model_option, read_prompt, resolve_model, runtime_errors
+from .cli_common import (BudgetType, fail, model_option, read_prompt, resolve_model, runtime_errors,
+                         verify_tokens_option)
 from .engine import GATE_MODES
 from .evictors import EVICTORS as _EVICTORS
 
@@ -29,7 +30,9 @@ def main():
               help="Kept positions when the gate opens: a ratio (0.25) or a count (1024).")
 @click.option("--evictor", default="snapkv", show_default=True, type=click.Choice(sorted(_EVICTOR_NAMES)))
 @click.option("--gate", "gate", default="verify", show_default=True, type=click.Choice(list(GATE_MODES)),
-              help="page: evict when PAGE says it is safe; always / never: force it.")
+              help="verify: evict, and keep the eviction only if the answer's start matches the full cache's; "
+                   "page: evict when PAGE says it is safe; always / never: force it.")
+@verify_tokens_option
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--n-ctx", default=4096, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
@@ -38,8 +41,8 @@ def main():
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"text", "finish_reason", "decision", "tokens_per_s"}')
-def run(model, prompt, prompt_file, budget, evictor, gate, max_tokens, n_ctx, threads, temperature, seed,
-        as_json):
+def run(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, max_tokens, n_ctx, threads, temperature,
+        seed, as_json):
     """Answer one prompt; with --json, also what the gate and the evictor did."""
     prompt = read_prompt(prompt, prompt_file)
 
@@ -47,7 +50,7 @@ def run(model, prompt, prompt_file, budget, evictor, gate, max_tokens, n_ctx, th
 
     try:
         with Engine(resolve_model(model), n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate,
-                    threads=threads, seed=seed) as eng:
+                    threads=threads, seed=seed, verify_tokens=verify_tokens) as eng:
             if eng.profile_warning:
                 click.echo(f"warning: {eng.profile_warning}", err=True)
             sampling = Sampling(temperature=temperature, seed=seed)

@@ -18,6 +18,17 @@ def model_option(f):
              "default: $PAGE_LOCAL_MODEL or the embedded SmolLM2.")(f)
 
 
+def verify_tokens_option(f):
+    from .engine import VERIFY_M
+
+    return click.option(
+        "--verify-tokens", "verify_tokens", default=VERIFY_M, show_default=True, type=click.IntRange(1, 256),
+        help="verify / page+verify: answer tokens decoded from the full cache and checked under the evicted "
+             "one before the eviction is committed. Only the start of a longer answer is checked: raise it "
+             "for long exact answers (IDs, code, numbers); the check costs one batch decode of this many "
+             "tokens.")(f)
+
+
 def fail(message: str, code: int) -> None:
     """One line on stderr and the exit code (1 runtime, 2 usage); never a traceback."""
     click.echo(f"Error: {' '.join(str(message).split())}", err=True)

@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import models
-from .cli_common import BudgetType, model_option, parse_budget
+from .cli_common import BudgetType, model_option, parse_budget, verify_tokens_option
 from .chat import ChatFileError, ChatSession
 from .chat_template import ChatTemplateError
 from .engine import ContextFull, Engine, Sampling
@@ -470,17 +470,19 @@ def terminal_reader(input=None, output=None) -> Callable[[str], str]:
 @click.option("--evictor", type=click.Choice(sorted(EVICTORS)), default="snapkv", show_default=True)
 @click.option("--gate", type=click.Choice(MODES), default="verify", show_default=True,
               help="page: PAGE decides per turn; always/never: forced")
+@verify_tokens_option
 @click.option("--n-ctx", default=4096, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--system", default=None, help="system prompt")
 @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5),
               help="0 = greedy")
-def chat(model, budget, evictor, gate, n_ctx, threads, system, max_tokens, temperature):
+def chat(model, budget, evictor, gate, verify_tokens, n_ctx, threads, system, max_tokens, temperature):
     """Chat with a local model; PAGE's gate decision is shown after each answer."""
     try:
         path = models.resolve(model)
-        engine = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads)
+        engine = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads,
+                        verify_tokens=verify_tokens)
     except (ModelError, models.ModelNotInstalled, PageError, DecodeError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None  # one line on stderr, exit code 1
     with engine:

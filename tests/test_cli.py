@@ -121,3 +121,15 @@ def test_bench_decode_bad_input(cli):
 def test_bench_has_probe_and_decode(cli):
     res = cli("bench", "--help")
     assert res.exit_code == 0 and "probe" in res.stdout and "decode" in res.stdout
+
+
+def test_verify_tokens_sets_how_much_of_the_answer_verify_checks(cli):
+    long_prompt = "The grass is green. " * 40 + "What colour is the grass?"
+    args = ["--prompt", long_prompt, "--json", "--gate", "verify", "--max-tokens", "12", "--n-ctx", "512",
+            "--threads", "1"]
+    for m in (4, 9):
+        res = cli("run", *args, "--verify-tokens", m)
+        assert res.exit_code == 0, res.output
+        d = json.loads(res.stdout)["decision"]
+        assert d["T"] > d["B"] and d["verify_m"] == m, d  # the evicted cache was checked on exactly m tokens
+    one_line_error(cli("run", *args, "--verify-tokens", "0"), 2, "--verify-tokens", "0")
