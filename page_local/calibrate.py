@@ -17,7 +17,7 @@ from typing import Callable
 from . import gate as gate_mod
 from .eval.tasks import pilot_prompts
 
-DEFAULT_LENGTHS = (1024, 2048, 3072)
+DEFAULT_LENGTHS = (1024, 2048, 3072)  # target tokens of the built-in pilot (`calibrate --lengths`)
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Calibration:
     sigma: float
     drops: list[float]
     profile_path: Path
+    pilot_tokens: tuple[int, int] | None = None  # shortest and longest measured prompt
 
     @property
     def raw_threshold(self) -> float:
@@ -79,10 +80,11 @@ def builtin_pilot(engine, n: int, lengths=DEFAULT_LENGTHS, seed: int = 0,
                   render: Callable[[str, str], str] | None = None) -> list[str]:
     """n generated prompts sized with the model's own tokenizer; render(user, answer_prefix) frames
     each one (chat_renderer), or the plain text (context, question, answer prefix) when None."""
-    lengths = [L for L in lengths if L + 128 <= engine.n_ctx]
+    asked = list(lengths)
+    lengths = [L for L in asked if L + 128 <= engine.n_ctx]
     if not lengths:
         raise ValueError(f"n_ctx = {engine.n_ctx} is too small for the built-in pilot (its prompts take "
-                         f"{min(DEFAULT_LENGTHS)} tokens or more): use n_ctx >= {min(DEFAULT_LENGTHS) + 128} "
+                         f"{min(asked)} tokens or more): use n_ctx >= {min(asked) + 128} "
                          "or a pilot file of your own")
     count = lambda text: len(engine.model.tokenize(text, add_special=False))  # noqa: E731
     samples = pilot_prompts(n, lengths, count, seed)
@@ -93,7 +95,7 @@ def calibrate(engine, prompts: list[str], progress: Callable[[int, int], None] |
     """Measure D on every prompt, store the profile for the engine's model, return the numbers."""
     from .engine import ContextFull
 
-    drops = []
+    drops, lengths = [], []
     for i, prompt in enumerate(prompts):
         try:
             d = engine.measure(prompt)
@@ -101,8 +103,11 @@ def calibrate(engine, prompts: list[str], progress: Callable[[int, int], None] |
             d = None
         if d is not None and d.D is not None and math.isfinite(d.D):
             drops.append(float(d.D))
+            lengths.append(int(d.T))
         if progress:
             progress(i + 1, len(prompts))
     mu, sigma = gate_mod.calibrate(drops)
-    path = gate_mod.save_profile(engine.model_id, mu, sigma, len(drops), gate_mod.describe_model(engine.model.path))
-    return Calibration(engine.model_id, len(drops), mu, sigma, drops, path)
+    span = (min(lengths), max(lengths)) if lengths else None
+    path = gate_mod.save_profile(engine.model_id, mu, sigma, len(drops), gate_mod.describe_model(engine.model.path),
+                                 pilot_tokens=span)
+    return Calibration(engine.model_id, len(drops), mu, sigma, drops, path, span)

@@ -68,6 +68,8 @@ def run(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, max_to
                                "tokens_per_s": round(res.tokens_per_s, 2)}))
     else:
         click.echo("")
+        if d.gate_note:
+            click.echo(f"warning: {d.gate_note}", err=True)
         D = "n/a" if d.D is None else f"{d.D:.4f}"
         if d.gate_mode in ("verify", "page+verify") and d.verify_delta is not None and d.verify_m:
             what = (f"verify {'committed' if d.evicted else 'kept the full cache'} "

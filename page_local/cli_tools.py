@@ -155,6 +155,25 @@ def models_install(name, as_json):
 # calibrate
 
 
+def _parse_lengths(ctx, param, value):
+    """'2048,4096' -> (2048, 4096); each a whole number of tokens >= 1024 (the built-in pilot's tasks,
+    vt's chains in particular, need about that much room)."""
+    if value is None:
+        return None
+    out = []
+    for part in value.split(","):
+        part = part.strip()
+        try:
+            n = int(part)
+        except ValueError:
+            raise click.BadParameter(f"{part!r} is not a whole number of tokens (e.g. --lengths 2048,4096)") from None
+        if n < 1024:
+            raise click.BadParameter(f"{n} tokens is too short for the built-in pilot's prompts (1024 or "
+                                     "more); calibrate shorter prompts with --pilot FILE")
+        out.append(n)
+    return tuple(sorted(set(out)))
+
+
 @click.command("calibrate")
 @_model_option
 @click.option("--pilot", "pilot", type=click.Path(dir_okay=False), default=None,
@@ -163,6 +182,10 @@ def models_install(name, as_json):
 @click.option("--n", "n", type=click.IntRange(min=2), default=None,
               help="Pilot size: built-in prompts to generate (default 100), or the first N of --pilot "
                    "(default all).")
+@click.option("--lengths", "lengths", default=None, callback=_parse_lengths, metavar="N[,N...]",
+              help="Prompt lengths in tokens for the built-in pilot, e.g. 4096 or 2048,4096 (default "
+                   "1024,2048,3072). D shifts with prompt length: calibrate at the lengths you run; "
+                   "--n-ctx must exceed the longest by 128.")
 @click.option("--chat-template/--plain", "chat_template", default=True, show_default=True,
               help="Frame each pilot prompt as a user turn of the model's chat template, as `chat` and "
                    "`eval run` send prompts (models without a template: plain), or measure the plain text "
@@ -171,15 +194,21 @@ def models_install(name, as_json):
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"model", "model_id", "profile", "n", "mu", "sigma", "z_threshold", '
                    '"raw_threshold", "open", "open_raw", "prompts", "skipped_too_long", "skipped_empty", '
-                   '"chat_template", "drops"}')
-def calibrate_cmd(model, pilot, n, chat_template, n_ctx, threads, as_json):
+                   '"chat_template", "pilot_tokens", "drops"}')
+def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, as_json):
     """Calibrate the PAGE gate for a model on an unlabeled pilot and store its profile.
 
     The gate then opens iff z = (D - mu)/sigma >= -0.6934, with mu and sigma the mean and standard
     deviation of D over the pilot. Prompts longer than --n-ctx are skipped and counted."""
-    from .calibrate import builtin_pilot, calibrate, chat_renderer, read_pilot
+    from .calibrate import DEFAULT_LENGTHS, builtin_pilot, calibrate, chat_renderer, read_pilot
 
     prompts = None
+    if pilot is not None and lengths is not None:
+        raise click.UsageError("--lengths sizes the built-in pilot; a --pilot file's prompts keep their own "
+                               "lengths (drop one of the two)")
+    if lengths is not None and max(lengths) + 128 > n_ctx:
+        raise click.BadParameter(f"a {max(lengths)}-token pilot prompt does not fit in --n-ctx {n_ctx}: "
+                                 f"use --n-ctx {max(lengths) + 128} or more", param_hint="'--lengths'")
     if pilot is not None:  # checked before the model loads
         try:
             prompts = read_pilot(pilot)
@@ -202,7 +231,7 @@ def calibrate_cmd(model, pilot, n, chat_template, n_ctx, threads, as_json):
                 with console.status(f"generating {n or 100} built-in pilot prompts", spinner="dots") \
                         if console.is_terminal else contextlib.nullcontext():
                     try:
-                        prompts = builtin_pilot(eng, n or 100, render=render)
+                        prompts = builtin_pilot(eng, n or 100, lengths=lengths or DEFAULT_LENGTHS, render=render)
                     except ValueError as e:  # a task's smallest instance does not fit this n_ctx
                         pilot_error = e
                     else:
@@ -240,7 +269,7 @@ def calibrate_cmd(model, pilot, n, chat_template, n_ctx, threads, as_json):
             "mu": cal.mu, "sigma": cal.sigma, "z_threshold": gate_mod.Z_THRESHOLD,
             "raw_threshold": cal.raw_threshold, "open": n_open, "open_raw": n_open_raw,
             "prompts": len(prompts), "skipped_too_long": too_long, "skipped_empty": empty,
-            "chat_template": render is not None, "drops": cal.drops}))
+            "chat_template": render is not None, "pilot_tokens": cal.pilot_tokens, "drops": cal.drops}))
         return
     source = f"pilot file {pilot}" if pilot else "built-in pilot"
     skipped = f"; skipped {too_long} longer than n_ctx = {n_ctx}" if too_long else ""
@@ -248,7 +277,9 @@ def calibrate_cmd(model, pilot, n, chat_template, n_ctx, threads, as_json):
     framing = "as chat-template user turns" if render is not None else "as plain text"
     click.echo(f"calibrated {_model_name(path)} ({model_id}) on {cal.n} prompts of the {source} "
                f"({framing}){skipped}")
-    click.echo(f"mu = {cal.mu:.4f}  sigma = {cal.sigma:.4f}  n = {cal.n}")
+    click.echo(f"mu = {cal.mu:.4f}  sigma = {cal.sigma:.4f}  n = {cal.n}  "
+               f"(prompts of {cal.pilot_tokens[0]}-{cal.pilot_tokens[1]} tokens: D shifts with length, so the "
+               "profile holds for prompts of about these lengths)")
     click.echo(f"gate: open iff z = (D - mu)/sigma >= {gate_mod.Z_THRESHOLD:g}, i.e. D >= {cal.raw_threshold:.4f} "
                f"(uncalibrated: D >= {gate_mod.RAW_THRESHOLD:g})")
     click.echo(f"on this pilot the calibrated gate opens on {n_open} of {cal.n} prompts "

@@ -104,6 +104,7 @@ class Decision:
     verify_kl_first: float | None = None  # KL(p_full || p_evicted) of the first generated token
     verify_ms: float | None = None  # the extra batch decode and the comparison
     lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms)
+    gate_note: str | None = None  # a calibrated gate used far outside its pilot's prompt lengths
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -420,7 +421,7 @@ class Engine:
 
             sig = compute_signal(probe)
             D, agreement = float(sig.D), [float(a) for a in sig.agreement]
-        g = self.gate.decide(D) if (D is not None or self.gate.mode != "page") else None
+        g = self.gate.decide(D, n_tokens=T) if (D is not None or self.gate.mode != "page") else None
         t3 = time.perf_counter()
         is_open = bool(g.open) if g else False
         evicted = False
@@ -474,7 +475,7 @@ class Engine:
             rule=g.rule if g else "none", reason=reason,
             evictor=self._evictor.name, prefill_ms=(t1 - t0) * 1e3, probe_ms=(t2 - t1) * 1e3,
             gate_ms=(t3 - t2) * 1e3, evict_ms=(t4 - t3) * 1e3, agreement=agreement, lookahead_ms=lookahead_ms,
-            **verify), plan
+            gate_note=g.note if g else None, **verify), plan
 
     def lookahead(self, last_logits: np.ndarray, spec=None, seq: int = 0) -> Lookahead:
         """Run a LORE-KV lookahead (spec: a LookaheadSpec; default the current evictor's) on seq, whose

@@ -32,6 +32,7 @@ RAW_THRESHOLD = 0.07
 Z_THRESHOLD = -0.6934
 PROFILE_FORMAT = "page-local-profile"
 PROFILE_VERSION = 1
+LENGTH_SLACK = 1.25  # prompts within [shortest / 1.25, longest * 1.25] of the pilot count as covered
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -56,6 +57,19 @@ class Profile:
     sigma: float
     created: str  # ISO 8601 UTC timestamp
     page_local_version: str
+    pilot_tokens: tuple[int, int] | None = None  # shortest and longest pilot prompt (None: not recorded)
+
+    def length_note(self, n_tokens: int | None) -> str | None:
+        """A warning when a prompt of n_tokens is well outside the pilot's lengths, else None. D falls
+        as prompts grow (SmolLM2: by 0.02-0.07 per task from 2K to 4K, docs/results.md), so mu and
+        sigma from short prompts misplace the threshold for long ones."""
+        if self.pilot_tokens is None or n_tokens is None:
+            return None
+        lo, hi = self.pilot_tokens
+        if lo / LENGTH_SLACK <= n_tokens <= hi * LENGTH_SLACK:
+            return None
+        return (f"this prompt has {n_tokens} tokens; the calibration pilot had {lo}-{hi}, and D shifts with "
+                f"prompt length: recalibrate at this length (`page-local calibrate --lengths {n_tokens}`)")
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class GateDecision:
     threshold: float | None  # RAW_THRESHOLD on D, or the z threshold; None when forced
     rule: str  # "raw" | "calibrated" | "forced"
     reason: str  # one plain sentence for logs and the CLI
+    note: str | None = None  # a calibrated rule applied outside its pilot's prompt lengths (also in reason)
 
 
 class Gate:
@@ -99,8 +114,10 @@ class Gate:
         p = self.profile
         return self.threshold if p is None else p.mu + self.z_threshold * p.sigma
 
-    def decide(self, D: float | None) -> GateDecision:
-        """Open or closed for one input with drop D (D may be None only in the forced modes)."""
+    def decide(self, D: float | None, n_tokens: int | None = None) -> GateDecision:
+        """Open or closed for one input with drop D (D may be None only in the forced modes).
+        n_tokens, the prompt's length, lets a calibrated rule say when the prompt is far outside the
+        lengths its pilot had (GateDecision.note)."""
         if D is not None:
             if not (_is_real(D) and math.isfinite(D)):
                 raise ValueError(f"D must be a finite number, got {D!r}")
@@ -128,8 +145,9 @@ class Gate:
             why = "heads agree much less in late layers than early ones: eviction is safe, evicting"
         else:
             why = "head agreement barely drops across layers (capacity-bound input): keeping the full cache"
+        note = self.profile.length_note(n_tokens) if rule == "calibrated" else None
         return GateDecision(is_open, self.mode, D, z, threshold, rule,
-                            f"{value}; {why}")
+                            f"{value}; {why}" + (f" (note: {note})" if note else ""), note)
 
 
 def calibrate(D_values) -> tuple[float, float]:
@@ -172,8 +190,10 @@ def profile_path(model_id: str) -> Path:
     return page_local_home() / "profiles" / f"{model_id}.json"
 
 
-def save_profile(model_id: str, mu: float, sigma: float, n_pilot: int, model_desc: str) -> Path:
-    """Write the profile atomically (temp file in the same directory + os.replace); returns its path."""
+def save_profile(model_id: str, mu: float, sigma: float, n_pilot: int, model_desc: str,
+                 pilot_tokens: tuple[int, int] | None = None) -> Path:
+    """Write the profile atomically (temp file in the same directory + os.replace); returns its path.
+    pilot_tokens: the shortest and longest pilot prompt in tokens, when known."""
     path = profile_path(model_id)
     if not (_is_real(mu) and math.isfinite(mu)):
         raise ValueError(f"mu must be a finite number, got {mu!r}")
@@ -181,6 +201,8 @@ def save_profile(model_id: str, mu: float, sigma: float, n_pilot: int, model_des
         raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
     if isinstance(n_pilot, bool) or not isinstance(n_pilot, numbers.Integral) or n_pilot < 2:
         raise ValueError(f"n_pilot must be an int >= 2, got {n_pilot!r}")
+    if pilot_tokens is not None:
+        pilot_tokens = _check_pilot_tokens(pilot_tokens)
     from page_local import __version__
 
     data = {
@@ -194,6 +216,8 @@ def save_profile(model_id: str, mu: float, sigma: float, n_pilot: int, model_des
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "page_local_version": __version__,
     }
+    if pilot_tokens is not None:
+        data["pilot_tokens"] = list(pilot_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{model_id}.", suffix=".tmp")
     try:
@@ -273,9 +297,21 @@ def _parse_profile(data: object) -> Profile:
         raise ValueError(f"n_pilot = {n!r} is not an int >= 2")
     if not isinstance(data["model_id"], str):
         raise ValueError(f"model_id = {data['model_id']!r} is not a string")
+    pilot_tokens = data.get("pilot_tokens")  # optional: profiles from before it was recorded lack it
+    if pilot_tokens is not None:
+        pilot_tokens = _check_pilot_tokens(pilot_tokens)
     return Profile(model_id=data["model_id"], model=str(data["model"]), n_pilot=n, mu=float(mu),
                    sigma=float(sigma), created=str(data["created"]),
-                   page_local_version=str(data["page_local_version"]))
+                   page_local_version=str(data["page_local_version"]), pilot_tokens=pilot_tokens)
+
+
+def _check_pilot_tokens(v: object) -> tuple[int, int]:
+    ok = (isinstance(v, (list, tuple)) and len(v) == 2
+          and all(isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and x >= 1 for x in v)
+          and v[0] <= v[1])
+    if not ok:
+        raise ValueError(f"pilot_tokens = {v!r} is not [shortest, longest] with 1 <= shortest <= longest")
+    return int(v[0]), int(v[1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,6 +86,10 @@ def test_calibrate_then_run_reports_z(page_local, tmp_path):
     stored = json.loads(profile.read_text(encoding="utf-8"))
     assert stored["mu"] == mu and stored["sigma"] == sigma and stored["n_pilot"] == 12
     assert stored["model_id"] == cal["model_id"]
+    # only the 1024-token prompts of the built-in pilot fit n_ctx 2048; the profile records their span
+    lo, hi = cal["pilot_tokens"]
+    assert 700 <= lo <= hi <= 1024, cal["pilot_tokens"]
+    assert stored["pilot_tokens"] == [lo, hi]
 
     # with the profile: the calibrated rule and z = (D - mu)/sigma
     out, err = page_local("run", "--prompt", PROMPT, "--max-tokens", "4", *SMALL, *PAGE, "--json")
@@ -97,5 +101,8 @@ def test_calibrate_then_run_reports_z(page_local, tmp_path):
     assert d["D"] == pytest.approx(d0["D"], abs=1e-9)  # the profile changes the rule, not the measurement
     assert d["gate_mode"] == "page" and d["T"] == n_tokens
     assert d["open"] == (d["z"] >= cal["z_threshold"])
+    # a ~250-token prompt is far shorter than the pilot's: the decision says so (D shifts with length)
+    assert f"this prompt has {n_tokens} tokens" in d["gate_note"] and f"{lo}-{hi}" in d["gate_note"]
+    assert "--lengths" in d["gate_note"] and d["gate_note"] in d["reason"]
     assert out["finish_reason"] in ("stop", "length")
     assert isinstance(out["text"], str) and out["tokens_per_s"] >= 0

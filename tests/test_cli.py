@@ -133,3 +133,19 @@ def test_verify_tokens_sets_how_much_of_the_answer_verify_checks(cli):
         d = json.loads(res.stdout)["decision"]
         assert d["T"] > d["B"] and d["verify_m"] == m, d  # the evicted cache was checked on exactly m tokens
     one_line_error(cli("run", *args, "--verify-tokens", "0"), 2, "--verify-tokens", "0")
+
+
+def test_run_warns_when_the_calibration_pilot_had_other_prompt_lengths(cli, smollm2_path):
+    """A profile calibrated on 3-4K-token prompts, a ~20-token prompt: the decision is made as usual
+    and `run` says on stderr, after the answer, that the profile does not cover this length."""
+    from page_local.gate import model_identity, save_profile
+
+    save_profile(model_identity(smollm2_path), 0.05, 0.02, 100, "test", pilot_tokens=(3000, 4000))
+    res = cli("run", "--prompt", PROMPT, "--gate", "page", *SMALL)
+    assert res.exit_code == 0, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[-2].startswith("warning: this prompt has ") and "the calibration pilot had 3000-4000" in lines[-2]
+    assert "--lengths" in lines[-2] and "calibrated" in lines[-1]
+    assert "warning" not in res.stdout  # the answer stays clean
+    d = json.loads(cli("run", "--prompt", PROMPT, "--gate", "page", "--json", *SMALL).stdout)["decision"]
+    assert d["rule"] == "calibrated" and d["gate_note"] == lines[-2].removeprefix("warning: ")

@@ -168,6 +168,19 @@ def test_calibrate_bad_pilot(cli, tmp_path, content, needle):
     one_line_error(cli("calibrate", "--pilot", pilot, *SMALL), 2, "--pilot", needle)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--lengths", "4k"], "'4k' is not a whole number of tokens"),
+    (["--lengths", "768"], "too short for the built-in pilot"),
+    (["--lengths", "8192", "--n-ctx", "4096"], "--n-ctx 8320"),
+    (["--lengths", "1024", "--pilot", "PILOT"], "--lengths sizes the built-in pilot"),
+], ids=["not-a-number", "too-short", "longer-than-n-ctx", "with-a-pilot-file"])
+def test_calibrate_bad_lengths(cli, tmp_path, args, needle):
+    """--lengths is checked before the model loads; exit 2 with what to do."""
+    pilot = tmp_path / "pilot.txt"
+    pilot.write_text("one prompt\nanother prompt\n")
+    one_line_error(cli("calibrate", *[str(pilot) if a == "PILOT" else a for a in args]), 2, needle)
+
+
 def test_calibrate_too_few_prompts_fit(cli, tmp_path):
     pilot = tmp_path / "pilot.txt"
     pilot.write_text("short prompt\n" + "word " * 2000 + "\n", encoding="utf-8")

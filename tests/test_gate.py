@@ -115,6 +115,30 @@ def test_profile_round_trip(home):
     assert g.profile == p and g.warning is None and g.decide(0.12).rule == "calibrated"
 
 
+def test_profile_records_the_pilot_lengths_and_the_gate_notes_prompts_far_outside_them(home):
+    path = save_profile("m", 0.05, 0.02, 100, "x", pilot_tokens=(950, 3050))
+    assert json.loads(path.read_text())["pilot_tokens"] == [950, 3050]
+    g = Gate.for_model("m")
+    assert g.profile.pilot_tokens == (950, 3050)
+    for n in (760, 950, 2000, 3050, 3812, None):  # within [950 / 1.25, 3050 * 1.25], or length unknown
+        d = g.decide(0.04, n_tokens=n)
+        assert d.note is None and "note" not in d.reason
+    for n in (300, 759, 3813, 8000):
+        d = g.decide(0.04, n_tokens=n)
+        assert d.rule == "calibrated" and f"this prompt has {n} tokens" in d.note and "950-3050" in d.note
+        assert d.note in d.reason and d.open == g.decide(0.04).open  # a note, never a different decision
+    # the raw rule and the forced modes have no pilot to compare with
+    assert Gate().decide(0.04, n_tokens=8000).note is None
+    assert Gate("always", g.profile).decide(0.04, n_tokens=8000).note is None
+
+
+def test_profiles_without_pilot_lengths_still_load(home):
+    _write(home, "m", _good())  # written before pilot_tokens was recorded
+    g = Gate.for_model("m")
+    assert g.warning is None and g.profile.pilot_tokens is None
+    assert g.decide(0.1, n_tokens=100_000).note is None
+
+
 def test_missing_profile_is_none_without_warning(home, recwarn):
     status = read_profile("nobody")
     assert status.profile is None and status.warning is None
@@ -165,8 +189,12 @@ def _good(**changes):
     (json.dumps({"format": "page-local-profile", "version": 1, "model_id": "m"}), "missing keys"),
     (_good(version=2), "version"),
     (_good(model_id="other"), "belongs to model 'other'"),
+    (_good(pilot_tokens=[4096, 1024]), "pilot_tokens"),
+    (_good(pilot_tokens=[0, 10]), "pilot_tokens"),
+    (_good(pilot_tokens="1024-3072"), "pilot_tokens"),
 ], ids=["bad-json", "not-object", "sigma-zero", "sigma-negative", "mu-string", "mu-nan", "sigma-inf",
-        "missing-keys", "future-version", "foreign-model"])
+        "missing-keys", "future-version", "foreign-model", "pilot-tokens-reversed", "pilot-tokens-zero",
+        "pilot-tokens-string"])
 def test_unusable_profile_is_none_with_warning(home, text, why):
     _write(home, "m", text)
     status = read_profile("m")
