@@ -196,6 +196,20 @@ def test_report_with_a_profile_adds_the_calibrated_gate_and_refuses_another_mode
         opened = {o["task"]: o["open_rate"] for o in s["open_rates"] if o["gate"] == "page-z"}
         assert opened  # one open rate per task under the calibrated rule
     assert "PAGE (z)" in (tmp_path / "r" / "report.md").read_text()
+    assert "Caution" not in (tmp_path / "r" / "report.md").read_text()  # no pilot lengths recorded: no claim
+    # a profile whose pilot had far longer prompts: the report says the re-decision is off-length
+    Ts = sorted({r["T"] for r in rows})
+    for span, outside in (((Ts[-1] * 10, Ts[-1] * 20), len({(r["task"], r["index"]) for r in rows})),
+                          ((Ts[0], Ts[-1]), 0)):
+        far = save_profile(model_id, mu, sigma, 100, "test", pilot_tokens=span)
+        out = tmp_path / f"len{span[0]}"
+        res = CliRunner().invoke(main, ["eval", "report", str(tiny[0]), "--out", str(out), "--profile", str(far), "--json"])
+        assert res.exit_code == 0, res.output
+        summaries = json.loads(res.stdout)  # one per run in the file
+        assert sum(s["profile"]["inputs_outside_pilot_lengths"] for s in summaries) == outside
+        text = (out / "report.md").read_text()
+        assert ("Caution: the pilot's prompts had" in text) == bool(outside)
+        assert ("calibrate --lengths" in text) == bool(outside)
     other = save_profile("some-other-model", 0.0, 1.0, 100, "test")
     res = CliRunner().invoke(main, ["eval", "report", str(tiny[0]), "--out", str(tmp_path / "o"), "--profile", str(other)])
     assert res.exit_code == 1 and "belongs to model some-other-model" in res.stderr and "Traceback" not in res.output

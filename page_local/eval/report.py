@@ -151,7 +151,8 @@ def markdown(s: dict, plots: dict[str, str] | None = None, title: str | None = N
              + (f" PAGE (z) = the PAGE gate re-decided from each input's D under the calibration profile "
                 f"`{s['profile']['file']}` (unlabeled pilot of {s['profile']['n_pilot']} prompts: "
                 f"μ = {s['profile']['mu']:.4f}, σ = {s['profile']['sigma']:.4f}): open iff z ≥ −0.6934, "
-                f"i.e. D ≥ {s['profile']['threshold_D']:.4f}." if s.get("profile") else ""),
+                f"i.e. D ≥ {s['profile']['threshold_D']:.4f}." if s.get("profile") else "")
+             + _length_caveat(s.get("profile")),
              "### Accuracy vs budget", _accuracy_table(s)]
     if plots and plots.get("accuracy"):
         parts.append(f"![accuracy vs budget]({plots['accuracy']})")
@@ -281,6 +282,16 @@ def plot_roc(rows: Sequence[dict], path: Path) -> Path | None:
     return path
 
 
+def _length_caveat(p: dict | None) -> str:
+    """A sentence when the profile's pilot had prompt lengths far from these inputs' (D shifts with length)."""
+    if not p or not p.get("inputs_outside_pilot_lengths"):
+        return ""
+    lo, hi = p["pilot_tokens"]
+    return (f" Caution: the pilot's prompts had {lo}–{hi} tokens and {p['inputs_outside_pilot_lengths']} of "
+            f"these {p['inputs']} inputs lie outside [{lo}/1.25, {hi}×1.25]; D shifts with prompt length, so "
+            "PAGE (z) here is not the gate a pilot at these lengths would give (`calibrate --lengths`).")
+
+
 def write_report(rows_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                  profile: str | os.PathLike | None = None) -> Path:
     """report.md (+ summary.json and PNG plots) in out_dir (default: <rows file stem>_report beside it).
@@ -310,8 +321,13 @@ def write_report(rows_path: str | os.PathLike, out_dir: str | os.PathLike | None
         prof_info = None
         if prof is not None and rid[0] == prof.model_id:
             rrows = rrows + metrics.regate(rrows, prof.mu, prof.sigma)
+            inputs = {(r["task"], r["index"]): r["T"] for r in rrows if r.get("T") is not None}
+            outside = sum(1 for T in inputs.values() if prof.length_note(int(T)) is not None)
             prof_info = dict(file=Path(profile).name, mu=prof.mu, sigma=prof.sigma, n_pilot=prof.n_pilot,
-                             threshold_D=Gate("page", prof).d_threshold)
+                             threshold_D=Gate("page", prof).d_threshold,
+                             pilot_tokens=list(prof.pilot_tokens) if prof.pilot_tokens else None,
+                             inputs_outside_pilot_lengths=outside if prof.pilot_tokens else None,
+                             inputs=len(inputs))
         s = metrics.summarize(rrows)
         s["profile"] = prof_info
         plots = {}
