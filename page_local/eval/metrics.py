@@ -365,11 +365,14 @@ def regate(rows: Iterable[dict], mu: float, sigma: float, z_threshold: float | N
     No model run is needed: a PAGE gate only chooses between two caches the runner already
     evaluated — the plain evictor's ("always" rows) and the full cache ("full" rows) — so each new
     row is the always-row when the gate opens and the full-cache outcome when it stays closed."""
-    from ..gate import Z_THRESHOLD
+    from ..gate import Z_THRESHOLD, Gate, Profile
 
     th = Z_THRESHOLD if z_threshold is None else float(z_threshold)
     if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
         raise ValueError(f"a calibration profile needs a finite mu and sigma > 0, got mu={mu!r} sigma={sigma!r}")
+    # the engine's own rule decides, so the report cannot drift from what `run` would do
+    gate = Gate("page", Profile(model_id="report", model="", n_pilot=2, mu=float(mu), sigma=float(sigma),
+                                created="", page_local_version=""), z_threshold=th)
     rows = list(rows)
     full = {sample_id(r): r for r in rows if r["gate"] == FULL}
     plain = [r for r in rows if r["gate"] == "always"]
@@ -381,8 +384,9 @@ def regate(rows: Iterable[dict], mu: float, sigma: float, z_threshold: float | N
         f = full.get(sample_id(r))
         if f is None:
             continue  # an interrupted sample without its full-cache row: nothing to fall back to
-        z = None if r.get("D") is None else (float(r["D"]) - mu) / sigma
-        is_open = z is not None and z >= th
+        decision = None if r.get("D") is None else gate.decide(float(r["D"]))
+        z = None if decision is None else decision.z
+        is_open = decision is not None and decision.open
         new = dict(r, gate=CALIBRATED, z=z, page_open=is_open, rule="calibrated", open=is_open)
         if not (is_open and r["evicted"]):
             new.update(evicted=False, kept=r["T"], compression=1.0, prediction=f["prediction"], finish=f["finish"],
