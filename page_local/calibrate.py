@@ -18,6 +18,8 @@ from . import gate as gate_mod
 from .eval.tasks import pilot_prompts
 
 DEFAULT_LENGTHS = (1024, 2048, 3072)  # target tokens of the built-in pilot (`calibrate --lengths`)
+MIN_LENGTH = min(DEFAULT_LENGTHS)  # shorter targets leave the pilot's tasks (vt's chains) no room
+HEADROOM = 128  # tokens of n_ctx a pilot prompt of a given target length needs beyond it
 
 
 @dataclass
@@ -81,10 +83,10 @@ def builtin_pilot(engine, n: int, lengths=DEFAULT_LENGTHS, seed: int = 0,
     """n generated prompts sized with the model's own tokenizer; render(user, answer_prefix) frames
     each one (chat_renderer), or the plain text (context, question, answer prefix) when None."""
     asked = list(lengths)
-    lengths = [L for L in asked if L + 128 <= engine.n_ctx]
+    lengths = [L for L in asked if L + HEADROOM <= engine.n_ctx]
     if not lengths:
         raise ValueError(f"n_ctx = {engine.n_ctx} is too small for the built-in pilot (its prompts take "
-                         f"{min(asked)} tokens or more): use n_ctx >= {min(asked) + 128} "
+                         f"{min(asked)} tokens or more): use n_ctx >= {min(asked) + HEADROOM} "
                          "or a pilot file of your own")
     count = lambda text: len(engine.model.tokenize(text, add_special=False))  # noqa: E731
     samples = pilot_prompts(n, lengths, count, seed)

@@ -156,8 +156,9 @@ def models_install(name, as_json):
 
 
 def _parse_lengths(ctx, param, value):
-    """'2048,4096' -> (2048, 4096); each a whole number of tokens >= 1024 (the built-in pilot's tasks,
-    vt's chains in particular, need about that much room)."""
+    """'2048,4096' -> (2048, 4096); each a whole number of tokens >= calibrate.MIN_LENGTH."""
+    from .calibrate import MIN_LENGTH
+
     if value is None:
         return None
     out = []
@@ -167,9 +168,9 @@ def _parse_lengths(ctx, param, value):
             n = int(part)
         except ValueError:
             raise click.BadParameter(f"{part!r} is not a whole number of tokens (e.g. --lengths 2048,4096)") from None
-        if n < 1024:
-            raise click.BadParameter(f"{n} tokens is too short for the built-in pilot's prompts (1024 or "
-                                     "more); calibrate shorter prompts with --pilot FILE")
+        if n < MIN_LENGTH:
+            raise click.BadParameter(f"{n} tokens is too short for the built-in pilot's prompts ({MIN_LENGTH} "
+                                     "or more); calibrate shorter prompts with --pilot FILE")
         out.append(n)
     return tuple(sorted(set(out)))
 
@@ -200,15 +201,15 @@ def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, as_js
 
     The gate then opens iff z = (D - mu)/sigma >= -0.6934, with mu and sigma the mean and standard
     deviation of D over the pilot. Prompts longer than --n-ctx are skipped and counted."""
-    from .calibrate import DEFAULT_LENGTHS, builtin_pilot, calibrate, chat_renderer, read_pilot
+    from .calibrate import DEFAULT_LENGTHS, HEADROOM, builtin_pilot, calibrate, chat_renderer, read_pilot
 
     prompts = None
     if pilot is not None and lengths is not None:
         raise click.UsageError("--lengths sizes the built-in pilot; a --pilot file's prompts keep their own "
                                "lengths (drop one of the two)")
-    if lengths is not None and max(lengths) + 128 > n_ctx:
+    if lengths is not None and max(lengths) + HEADROOM > n_ctx:
         raise click.BadParameter(f"a {max(lengths)}-token pilot prompt does not fit in --n-ctx {n_ctx}: "
-                                 f"use --n-ctx {max(lengths) + 128} or more", param_hint="'--lengths'")
+                                 f"use --n-ctx {max(lengths) + HEADROOM} or more", param_hint="'--lengths'")
     if pilot is not None:  # checked before the model loads
         try:
             prompts = read_pilot(pilot)
