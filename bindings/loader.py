@@ -26,12 +26,33 @@ class LibraryMismatch(RuntimeError):
     """llama_cpp is using a libllama other than page-local's patched build."""
 
 
-def library_dir() -> Path:
-    """Folder of the patched libllama: $PAGE_LOCAL_LIB_DIR, else <repo>/build/bin."""
+def candidate_dirs() -> list[Path]:
+    """Where the patched libllama may be, in the order they are tried.
+
+    $PAGE_LOCAL_LIB_DIR (then nothing else); the folder installed beside this file by
+    `pip install .`; a checkout's own build (<repo>/build/bin, what `make setup` builds); the
+    copy an editable install put into site-packages.
+    """
     env = os.environ.get("PAGE_LOCAL_LIB_DIR")
     if env:
-        return Path(env).expanduser().resolve()
-    return (Path(__file__).resolve().parent.parent / "build" / "bin").resolve()
+        return [Path(env).expanduser().resolve()]
+    here = Path(__file__).resolve().parent
+    dirs = [here / "lib", here.parent / "build" / "bin"]
+    for entry in sys.path:
+        if entry:
+            d = Path(entry) / "page_local_bindings" / "lib"
+            if d not in dirs:
+                dirs.append(d)
+    return dirs
+
+
+def library_dir() -> Path:
+    """The first candidate folder that holds the library (the first candidate if none does)."""
+    dirs = candidate_dirs()
+    for d in dirs:
+        if (d / _LIB_NAME).is_file():
+            return d
+    return dirs[0]
 
 
 def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -50,8 +71,10 @@ def load() -> tuple:
         path = library_dir() / _LIB_NAME
         if not path.is_file():
             raise FileNotFoundError(
-                f"page-local's patched llama.cpp library is missing: {path}. "
-                "Build it with `make setup` (or set PAGE_LOCAL_LIB_DIR to the folder holding it)."
+                f"page-local's patched llama.cpp library ({_LIB_NAME}) is missing; looked in "
+                + ", ".join(str(d) for d in candidate_dirs())
+                + ". Install page-local with `pip install .` or `make setup` in its checkout "
+                "(or set PAGE_LOCAL_LIB_DIR to the folder holding it)."
             )
         llama_cpp = _import_llama_cpp(path)
 

