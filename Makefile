@@ -28,10 +28,11 @@ $(VENV)/.stamp-venv:
 	touch $@
 
 # page-local itself: the same `pip install` a user runs (pyproject.toml -> scikit-build-core ->
-# CMakeLists.txt), as an editable install over the build tree build/. It runs again only when a
-# native source, the build files or BACKEND changed; then ninja rebuilds what changed.
+# CMakeLists.txt), as an editable install over the build tree build/: page_local/ is used from the
+# checkout, the libraries, bindings/ and llama_cpp are installed copies. It runs again only when
+# one of those sources, the build files or BACKEND changed; then ninja rebuilds what changed.
 NATIVE_SRC := pyproject.toml CMakeLists.txt csrc/UPSTREAM csrc/upstream.patch \
-              $(wildcard csrc/*.cpp csrc/*.h csrc/include/*.h)
+              $(wildcard csrc/*.cpp csrc/*.h csrc/include/*.h bindings/*.py)
 PIP_E := $(BIN)/pip install -q --no-build-isolation \
          -Ccmake.define.PAGE_BACKEND=$(BACKEND) -Ccmake.define.PAGE_CACHE_DIR=$(CACHE) \
          -Cbuild.tool-args=-j$(JOBS)

@@ -9,6 +9,7 @@ message instead of running two llama.cpp copies side by side.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import threading
@@ -29,21 +30,25 @@ class LibraryMismatch(RuntimeError):
 def candidate_dirs() -> list[Path]:
     """Where the patched libllama may be, in the order they are tried.
 
-    $PAGE_LOCAL_LIB_DIR (then nothing else); the folder installed beside this file by
-    `pip install .`; a checkout's own build (<repo>/build/bin, what `make setup` builds); the
-    copy an editable install put into site-packages.
+    $PAGE_LOCAL_LIB_DIR (then nothing else); a checkout's own build (<repo>/build/bin, for code run
+    from the checkout without an install); the lib/ folder of the installed llama_cpp package, where
+    `pip install .` (and `make setup`, an editable install) put the libraries, so that llama_cpp
+    finds the same file by default. llama_cpp is located without being imported.
     """
     env = os.environ.get("PAGE_LOCAL_LIB_DIR")
     if env:
         return [Path(env).expanduser().resolve()]
     here = Path(__file__).resolve().parent
-    dirs = [here / "lib", here.parent / "build" / "bin"]
-    for entry in sys.path:
-        if entry:
-            d = Path(entry) / "page_local_bindings" / "lib"
-            if d not in dirs:
-                dirs.append(d)
-    return dirs
+    dirs = []
+    if (here.parent / "csrc").is_dir():  # bindings/ of a checkout, not an installed copy
+        dirs.append(here.parent / "build" / "bin")
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        dirs.append(Path(spec.origin).resolve().parent / "lib")
+    return dirs or [here.parent / "build" / "bin"]
 
 
 def library_dir() -> Path:

@@ -12,11 +12,13 @@ import time
 import numpy as np
 
 from .runtime import Context, ContextConfig, Model
+from .verify import VERIFY_CAP
 
 W = 32
 
 
-def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: int = 2, seed: int = 0) -> dict:
+def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: int = 2, seed: int = 0,
+                   n_gpu_layers: int | str | None = None) -> dict:
     """Wall time of a `tokens`-token prefill with and without the probe armed on the last W positions."""
     if tokens <= W:
         raise ValueError(f"--tokens must exceed the probe window ({W}), got {tokens}")
@@ -24,7 +26,10 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens).tolist()
     times: dict[bool, list[float]] = {False: [], True: []}
-    with Model(model_path) as model, Context(model, ContextConfig(n_ctx=tokens + 64, threads=threads)) as ctx:
+    # random tokens, timed: positions past the trained context cost the same, so the length is not refused
+    with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
+            Context(model, ContextConfig(n_ctx=tokens + 64, threads=threads, allow_long_context=True)) as ctx:
+        device = ctx.placement()
         ctx.decode(prompt[:64], 0, logits="none")  # warm-up: first graph build and allocation
         for i in range(2 * repeats):
             armed = bool(i % 2)
@@ -48,11 +53,12 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
         "ratio": round(armed_s / plain_s, 4),
         "unarmed_runs": [round(t, 4) for t in times[False]],
         "armed_runs": [round(t, 4) for t in times[True]],
+        "device": device,
     }
 
 
 def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, new_tokens: int = 64,
-                   repeats: int = 3, threads: int = 2, seed: int = 0) -> dict:
+                   repeats: int = 3, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None) -> dict:
     """Greedy decode tok/s after one `tokens`-token prefill, with the full cache vs after the engine's
     eviction (gate forced open, SnapKV) to `budget`; alternated runs, medians.
 
@@ -78,7 +84,9 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
     snapkv = get_evictor("snapkv")
     gate = Gate("page")
     n_ctx = tokens + new_tokens + 64
-    with Model(model_path) as model, Context(model, ContextConfig(n_ctx=n_ctx, threads=threads)) as ctx:
+    with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
+            Context(model, ContextConfig(n_ctx=n_ctx, threads=threads, allow_long_context=True)) as ctx:
+        device = ctx.placement()
         page = ctx.page
         t0 = time.perf_counter()
         ctx.decode(prompt[: tokens - W], 0, logits="none")
@@ -157,6 +165,7 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
         "full_runs": [round(t, 2) for t in runs["full"]],
         "evicted_runs": [round(t, 2) for t in runs["evicted"]],
         "evicted_nocompact_runs": [round(t, 2) for t in runs["evicted_nocompact"]],
+        "device": device,
     }
 
 
@@ -178,30 +187,38 @@ def _needle_prompt(model, tokens: int) -> str:
     return build(n_lines)
 
 
-def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = 16, repeats: int = 3, threads: int = 2) -> dict:
-    """Cost of self-verified eviction: the extra batch decode of m tokens over the evicted copy,
-    as a fraction of the prefill, on a needle prompt of about `tokens` tokens (median of repeats).
+def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP, repeats: int = 3,
+                threads: int = 2, prompt: str = "needle") -> dict:
+    """Cost of self-verified eviction (Engine._verify, scored by verify.verify_score): the extra batch
+    decode of the answer (up to its end or m tokens; `m_checked` says how many) over the evicted copy,
+    as a fraction of the prefill, on a prompt of about `tokens` tokens (median of repeats): "needle"
+    (a short answer: the check ends with it) or "random" (random token ids: the answer runs to m).
     The threshold is set permissively so that the check always runs to completion."""
     from .engine import Engine
 
-    ratios, verify_ms, prefill_ms = [], [], []
-    with Engine(model_path, n_ctx=tokens + 256, budget=budget, gate="verify", threads=threads,
+    if prompt not in ("needle", "random"):
+        raise ValueError(f"prompt must be 'needle' or 'random', got {prompt!r}")
+    ratios, verify_ms, prefill_ms, checked = [], [], [], []
+    with Engine(model_path, n_ctx=tokens + m + 256, budget=budget, gate="verify", threads=threads,
                 verify_tokens=m, verify_threshold=1e9) as eng:
-        prompt = _needle_prompt(eng.model, tokens)
+        prompt = (_needle_prompt(eng.model, tokens) if prompt == "needle" else
+                  np.random.default_rng(0).integers(100, 4000, size=tokens).tolist())
         for _ in range(repeats):
             d = eng.generate(prompt, max_tokens=m + 1).decision
             if d.verify_ms is None:
                 raise RuntimeError("self-verification did not run: the model ended its answer at once")
             verify_ms.append(d.verify_ms)
             prefill_ms.append(d.prefill_ms)
+            checked.append(d.verify_m)
             ratios.append(d.verify_ms / d.prefill_ms)
-    return {"bench": "verify", "tokens": d.T, "m": m, "budget": budget, "threads": threads, "repeats": repeats,
+    return {"bench": "verify", "tokens": d.T, "m": m, "m_checked": int(statistics.median(checked)),
+            "rule": d.verify_rule, "budget": budget, "threads": threads, "repeats": repeats,
             "verify_ms": round(statistics.median(verify_ms), 2), "prefill_ms": round(statistics.median(prefill_ms), 1),
             "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05}
 
 
 def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 4, lookahead_tokens: int = 32,
-                    repeats: int = 3, threads: int = 2) -> dict:
+                    repeats: int = 3, threads: int = 2, n_gpu_layers: int | str | None = None) -> dict:
     """LORE-KV's one-time cost beside SnapKV's: the time from the prompt to the eviction decision
     (prefill + probe + gate + scoring + eviction + re-decode of the last prompt token), alternated
     SnapKV / LORE-KV runs on the same needle prompt, gate forced open, medians."""
@@ -209,7 +226,8 @@ def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 
 
     runs: dict[str, list[dict]] = {"snapkv": [], "lorekv": []}
     with Engine(model_path, n_ctx=tokens + 64 + futures * lookahead_tokens, budget=budget, gate="always",
-                threads=threads) as eng:
+                threads=threads, n_gpu_layers=n_gpu_layers, allow_long_context=True) as eng:
+        device = eng.placement
         prompt = _needle_prompt(eng.model, tokens)
         for i in range(2 * repeats):
             name = ("snapkv", "lorekv")[i % 2]
@@ -232,7 +250,7 @@ def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 
             "snapkv_ms": round(snap, 1), "lorekv_ms": round(lore, 1), "ratio": round(lore / snap, 3),
             "prefill_ms": round(med("snapkv", "prefill"), 1), "snapkv_evict_ms": round(med("snapkv", "evict"), 1),
             "lorekv_evict_ms": round(med("lorekv", "evict"), 1), "lookahead_ms": round(med("lorekv", "lookahead"), 1),
-            "paper_ratio_range": [1.46, 2.77]}
+            "paper_ratio_range": [1.46, 2.77], "device": device}
 
 
 _MEMORY_CHILD = r"""
@@ -240,19 +258,24 @@ import json, resource, sys
 import numpy as np
 kind, model_path, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 compact = sys.argv[5] == "1"
+n_gpu = sys.argv[6]  # "" = the default, else a count or "all"
 prompt = np.random.default_rng(0).integers(100, 4000, size=tokens).tolist()
 n_ctx = tokens + 64
 out = {"kind": kind}
 if kind == "page-local":
     from page_local.engine import Engine
-    with Engine(model_path, n_ctx=n_ctx, budget=0.25, gate="always", threads=threads, compact=compact) as eng:
+    with Engine(model_path, n_ctx=n_ctx, budget=0.25, gate="always", threads=threads, compact=compact,
+                n_gpu_layers=n_gpu or None, allow_long_context=True) as eng:
         r = eng.generate(prompt, max_tokens=8)
-        out.update(T=r.decision.T, kept=r.decision.kept, n_ctx=eng.n_ctx)
+        out.update(T=r.decision.T, kept=r.decision.kept, n_ctx=eng.n_ctx, device=eng.placement)
 else:
     import page_local.native as native
     native.llama_cpp()  # the same patched library, loaded through page_local
     from llama_cpp import Llama
-    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_batch=512, flash_attn=True, verbose=False)
+    from page_local.runtime import default_n_gpu_layers, parse_n_gpu_layers
+    ngl = parse_n_gpu_layers(n_gpu) if n_gpu else default_n_gpu_layers()
+    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_batch=512, flash_attn=True, verbose=False,
+                n_gpu_layers=ngl)
     llm.create_completion(prompt, max_tokens=8, temperature=0.0)
     out.update(T=tokens, kept=tokens, n_ctx=n_ctx)
 out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -260,7 +283,8 @@ print(json.dumps(out))
 """
 
 
-def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool = True) -> dict:
+def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool = True,
+                n_gpu_layers: int | str | None = None) -> dict:
     """Peak RSS of page-local (prefill + eviction to 25 % + 8 tokens) vs stock llama-cpp-python
     (prefill + 8 tokens) on the same random-token prompt, each in a fresh process."""
     import json
@@ -270,7 +294,7 @@ def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool 
     res = {}
     for kind in ("llama-cpp-python", "page-local"):
         p = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, kind, str(model_path), str(tokens), str(threads),
-                            "1" if compact else "0"],
+                            "1" if compact else "0", "" if n_gpu_layers is None else str(n_gpu_layers)],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"{kind} run failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
@@ -283,4 +307,5 @@ def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool 
         "n_ctx": pl["n_ctx"], "T": pl["T"], "kept_after_eviction": pl["kept"],
         "free_cells_full_cache": pl["n_ctx"] - pl["T"], "free_cells_after_eviction": pl["n_ctx"] - pl["kept"],
         "note": "llama.cpp preallocates the KV cache for n_ctx: eviction frees cells for more tokens, not memory",
+        "device": pl["device"],
     }

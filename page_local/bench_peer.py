@@ -11,7 +11,7 @@ which system goes first:
   --kvpress-window / --kvpress-kernel change them) applied as kvpress's pipeline applies it
   (`KVPressTextGenerationPipeline._forward`): the press is a context manager around the prefill
   forward of `model.model`; tokens after it are decoded without the press. Keep sets are per KV
-  head (spec: algorithms.md §1.2).
+  head (docs/algorithms.md §1.2).
 
 Both compress the same tokens (the model's chat template with the answer prefix, as
 eval.runner.ChatPrompter renders it; the ids come from llama.cpp's tokenizer) in the same mode:
@@ -81,11 +81,11 @@ class _PageLocal:
     """page-local's Engine; gen tokens are always generated (greedy decoding continues past the end
     of the answer, as the kvpress side does), so that both time the same number of decode steps."""
 
-    def __init__(self, model_path, budget, n_ctx: int, threads: int):
+    def __init__(self, model_path, budget, n_ctx: int, threads: int, n_gpu_layers: int | str | None = None):
         from .engine import Engine
 
         self.eng = Engine(model_path, n_ctx=n_ctx, budget=budget, evictor="snapkv", gate="always",
-                          threads=threads)
+                          threads=threads, n_gpu_layers=n_gpu_layers)
 
     def run(self, tokens: list[int], gen: int, evict: bool) -> Run:
         eng = self.eng
@@ -218,7 +218,8 @@ def _median(xs) -> float:
 
 def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int = 20, gen: int = 32,
                    threads: int = 2, seed: int = 42, kvpress_window: int | None = None,
-                   kvpress_kernel: int | None = None, progress: Progress | None = None) -> dict:
+                   kvpress_kernel: int | None = None, progress: Progress | None = None,
+                   n_gpu_layers: int | str | None = None) -> dict:
     """Time (prefill + compression + gen greedy tokens) and needle accuracy of page-local and kvpress,
     SnapKV at the same budget, on n niah_single_1 prompts of about `tokens` tokens."""
     from .eval import scoring
@@ -234,9 +235,11 @@ def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int 
     say = progress or (lambda _m: None)
     model_path = Path(model_path)
     load_start = _loadavg()
-    with Model(model_path) as model:
+    with Model(model_path, n_gpu_layers=0) as model:  # the tokenizer only
         prompts = _prompts(model, tokens, n, seed)
-    pl = _PageLocal(model_path, budget, n_ctx=max(p.n for p in prompts) + gen + 64, threads=threads)
+    pl = _PageLocal(model_path, budget, n_ctx=max(p.n for p in prompts) + gen + 64, threads=threads,
+                    n_gpu_layers=n_gpu_layers)
+    device = pl.eng.placement
     try:
         say(f"{len(prompts)} {TASK} prompts of {min(p.n for p in prompts)}-{max(p.n for p in prompts)} tokens; "
             f"loading {model_path.name} into transformers (float32)")
@@ -297,6 +300,7 @@ def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int 
         "kvpress_press": repr(press),
         "gen": gen,
         "threads": threads,
+        "page_local_device": device,
         "seed": seed,
         "mode": "query-aware (question and answer prefix compressed with the context), as page-local's Engine",
         "versions": {"kvpress": _version("kvpress", kvpress), "torch": torch.__version__,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from .cli_common import BudgetType
+from .cli_common import BudgetType, load_options
 from .cli_common import fail as _fail, resolve_model as _resolve_model, runtime_errors as _runtime_errors
+from .verify import VERIFY_CAP
 
 DEFAULT_BUDGETS = "0.5,0.25,0.125,0.0625"
 
@@ -59,16 +60,18 @@ def eval_group():
 @click.option("--n-ctx", "n_ctx", default=None, type=click.IntRange(min=64),
               help="Context size (default: the longest prompt + its answer budget, rounded up).")
 @click.option("--seed", default=42, show_default=True, type=click.IntRange(min=0))
-@click.option("--verify-m", "verify_m", default=16, show_default=True, type=click.IntRange(1, 256),
-              help="Full-cache tokens teacher-forced on the evicted cache for delta_self.")
+@click.option("--verify-m", "verify_m", default=VERIFY_CAP, show_default=True, type=click.IntRange(1, 256),
+              help="verify's cap: the full cache's answer, up to its end or this many tokens, is "
+                   "teacher-forced on the evicted cache and scored (page_local/verify.py).")
 @click.option("--query-agnostic", is_flag=True,
               help="Choose the keep set from the context alone; the question is decoded after eviction.")
 @click.option("--system", default=None, help="A system prompt (default: the chat template's own).")
 @click.option("--plain", is_flag=True,
               help="No chat template (base models): the user text, a blank line, then the answer prefix.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@load_options
 def eval_run(model, tasks, n, length, budgets, evictors, gates, out, input_path, threads, n_ctx, seed, verify_m,
-             query_agnostic, system, plain, quiet):
+             query_agnostic, system, plain, quiet, n_gpu_layers, allow_long_context):
     """Run every sample under the full cache and every evictor x budget x gate, from one prefill each."""
     from .eval.runner import EVAL_GATES, run_eval
     from .evictors import EVICTORS
@@ -123,7 +126,8 @@ def eval_run(model, tasks, n, length, budgets, evictors, gates, out, input_path,
         res = run_eval(_resolve_model(model), tasks=task_list or None, n=n, length=length, budgets=budget_list,
                        evictors=ev_list, gates=gate_list, out=out, seed=seed, threads=threads, n_ctx=n_ctx,
                        query_agnostic=query_agnostic, verify_m=verify_m, progress=progress, input=input_path,
-                       system=system, plain=plain)
+                       system=system, plain=plain, n_gpu_layers=n_gpu_layers,
+                       allow_long_context=allow_long_context)
     except runtime_errors as e:
         _stop(bar)
         _fail(str(e), 1)

@@ -16,7 +16,8 @@ from pathlib import Path
 import click
 
 from . import models
-from .cli_common import fail as _fail, model_option as _model_option, read_prompt as _read_prompt
+from .cli_common import fail as _fail, load_options as _load_options, model_option as _model_option
+from .cli_common import read_prompt as _read_prompt
 from .cli_common import resolve_model as _resolve_model, runtime_errors as _runtime_errors
 
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -27,6 +28,7 @@ _SPARK = "▁▂▃▄▅▆▇█"
 
 
 def _ctx_options(f):
+    f = _load_options(f)
     f = click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))(f)
     return click.option("--n-ctx", "n_ctx", default=4096, show_default=True, type=click.IntRange(min=1),
                         help="Context size; longer prompts do not fit.")(f)
@@ -195,8 +197,9 @@ def _parse_lengths(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"model", "model_id", "profile", "n", "mu", "sigma", "z_threshold", '
                    '"raw_threshold", "open", "open_raw", "prompts", "skipped_too_long", "skipped_empty", '
-                   '"chat_template", "pilot_tokens", "drops"}')
-def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, as_json):
+                   '"chat_template", "pilot_tokens", "drops", "device"}')
+def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, n_gpu_layers, allow_long_context,
+                  as_json):
     """Calibrate the PAGE gate for a model on an unlabeled pilot and store its profile.
 
     The gate then opens iff z = (D - mu)/sigma >= -0.6934, with mu and sigma the mean and standard
@@ -226,7 +229,9 @@ def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, as_js
 
     console = _console(stderr=True)
     try:
-        with Engine(path, n_ctx=n_ctx, threads=threads, gate="page") as eng:
+        with Engine(path, n_ctx=n_ctx, threads=threads, gate="page", n_gpu_layers=n_gpu_layers,
+                    allow_long_context=allow_long_context) as eng:
+            device = eng.placement
             render = chat_renderer(eng.model) if chat_template else None
             if prompts is None:
                 with console.status(f"generating {n or 100} built-in pilot prompts", spinner="dots") \
@@ -270,7 +275,8 @@ def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, as_js
             "mu": cal.mu, "sigma": cal.sigma, "z_threshold": gate_mod.Z_THRESHOLD,
             "raw_threshold": cal.raw_threshold, "open": n_open, "open_raw": n_open_raw,
             "prompts": len(prompts), "skipped_too_long": too_long, "skipped_empty": empty,
-            "chat_template": render is not None, "pilot_tokens": cal.pilot_tokens, "drops": cal.drops}))
+            "chat_template": render is not None, "pilot_tokens": cal.pilot_tokens, "drops": cal.drops,
+            "device": device}))
         return
     source = f"pilot file {pilot}" if pilot else "built-in pilot"
     skipped = f"; skipped {too_long} longer than n_ctx = {n_ctx}" if too_long else ""
@@ -354,8 +360,8 @@ def _plot(out: Path, agreement: list[float], D: float, title: str, rule: str, so
 @_ctx_options
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"model", "model_id", "n_layer", "decision", "threshold_D", '
-                   '"early_mean", "late_mean", "profile", "plot"}')
-def inspect_cmd(model, prompt, prompt_file, plot, n_ctx, threads, as_json):
+                   '"early_mean", "late_mean", "profile", "plot", "device"}')
+def inspect_cmd(model, prompt, prompt_file, plot, n_ctx, threads, n_gpu_layers, allow_long_context, as_json):
     """Show what the PAGE gate sees on one prompt: head agreement per layer, D, z and the decision.
 
     Prefills the prompt and probes it; nothing is evicted or generated."""
@@ -366,7 +372,9 @@ def inspect_cmd(model, prompt, prompt_file, plot, n_ctx, threads, as_json):
     from .engine import Engine
 
     try:
-        with Engine(path, n_ctx=n_ctx, threads=threads, gate="page") as eng:
+        with Engine(path, n_ctx=n_ctx, threads=threads, gate="page", n_gpu_layers=n_gpu_layers,
+                    allow_long_context=allow_long_context) as eng:
+            device = eng.placement
             if eng.profile_warning:
                 click.echo(f"warning: {eng.profile_warning}", err=True)
             d = eng.measure(prompt)
@@ -402,10 +410,12 @@ def inspect_cmd(model, prompt, prompt_file, plot, n_ctx, threads, as_json):
         click.echo(json.dumps({
             "model": str(path), "model_id": model_id, "n_layer": n_layer, "decision": d.to_dict(),
             "threshold_D": threshold_D, "early_mean": early_mean, "late_mean": late_mean,
-            "profile": profile, "plot": None if plot_path is None else str(plot_path)}))
+            "profile": profile, "plot": None if plot_path is None else str(plot_path), "device": device}))
         return
 
-    click.echo(f"model: {name} ({path.name}), {n_layer} layers; prompt: {d.T} tokens")
+    from .runtime import describe_placement
+
+    click.echo(f"model: {name} ({path.name}), {n_layer} layers, {describe_placement(device)}; prompt: {d.T} tokens")
     if d.agreement:
         a = d.agreement
         click.echo(f"head agreement by layer (min {min(a):.3f} .. max {max(a):.3f}):  {_sparkline(a)}")

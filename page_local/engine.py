@@ -1,6 +1,6 @@
 """The engine: one turn of PAGE-gated eviction on llama.cpp, and the API desktop apps embed.
 
-A turn (DESIGN.md, "One turn through the engine"):
+A turn (docs/design.md §5, "One turn through the engine"):
   1. tokenize; decode prompt[:-W] normally;
   2. arm the probe; decode prompt[-W:] as one batch;
   3. D = signal.drop(probe); gate.decide(D) -> open or closed;
@@ -33,7 +33,8 @@ from .evictors import get_evictor
 from .evictors.base import EvictionInput, resolve_budget
 from .lookahead import MAX_FUTURES, Lookahead, log_softmax, run_lookahead
 from .probe import ProbeResult
-from .runtime import Context, ContextConfig, Model
+from .runtime import Context, ContextConfig, Model, parse_n_gpu_layers
+from .verify import VERIFY_CAP, VERIFY_RULE, check_rule, verify_score
 
 W = 32
 TOP_K = 32
@@ -43,12 +44,9 @@ N_SINK = 4
 PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead"})
 
 
-# Self-verified eviction: the first m tokens are generated with the full cache, then teacher-forced on
-# the evicted candidate; eviction is committed iff the mean log-prob loss is <= delta. m = 16 and
-# delta = 0.05 nats/token come from DESIGN.md's Qwen2.5-0.5B pilot (the gate delta < 0.05 opened on
-# 37/38 unharmed and 3/26 harmed inputs).
-VERIFY_M = 16
-VERIFY_DELTA = 0.05
+# Self-verified eviction (verify.py): the answer is generated with the full cache until it ends or
+# verify_tokens (default VERIFY_CAP) tokens, then teacher-forced on the evicted candidate in one batch;
+# the eviction is committed iff verify.verify_score passes (default rule VERIFY_RULE).
 GATE_MODES = ("page", "always", "never", "verify", "page+verify")
 _BASE_GATE = {"page": "page", "always": "always", "never": "never", "verify": "always", "page+verify": "page"}
 
@@ -97,10 +95,15 @@ class Decision:
     evict_ms: float = 0.0  # selection + eviction + re-decode of the last prompt token
     agreement: list[float] = field(default_factory=list)  # per-layer head agreement
     # self-verified eviction (gate modes "verify" and "page+verify"); None when it did not run
-    verify_m: int | None = None  # tokens compared
-    verify_delta: float | None = None  # mean over them of log p_full - log p_evicted (nats/token)
-    verify_threshold: float | None = None  # delta <= threshold commits the eviction
-    verify_top1: float | None = None  # fraction of tokens the evicted cache also ranks first
+    verify_m: int | None = None  # answer tokens checked (the span; its end-of-generation not counted)
+    verify_until: str | None = None  # end (the answer ended in the span: its end was checked too) | cap | length
+    verify_rule: str | None = None  # verify.RULES: how the span was scored
+    verify_score: float | None = None  # the rule's score over the span
+    verify_threshold: float | None = None  # score <= threshold commits the eviction
+    verify_delta: float | None = None  # mean over the span of log p_full - log p_evicted (nats/token)
+    verify_max: float | None = None  # the largest per-token loss (nats)
+    verify_changed: int | None = None  # positions where the evicted cache's top token differs
+    verify_top1: float | None = None  # fraction of positions the evicted cache ranks the same token first
     verify_kl_first: float | None = None  # KL(p_full || p_evicted) of the first generated token
     verify_ms: float | None = None  # the extra batch decode and the comparison
     lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms)
@@ -146,19 +149,24 @@ class Engine:
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096, budget: float | int = 0.25,
                  evictor: str = "snapkv", gate: str = "verify", threads: int = 2, flash_attn: str = "auto",
                  type_kv: str = "f16", seed: int = 0, evictor_options: dict | None = None,
-                 verify_tokens: int = VERIFY_M, verify_threshold: float = VERIFY_DELTA, compact: bool = True):
+                 verify_tokens: int = VERIFY_CAP, verify_threshold: float | None = None,
+                 verify_rule: str = VERIFY_RULE, compact: bool = True,
+                 n_gpu_layers: int | str | None = None, allow_long_context: bool = False):
         path = Path(model) if model is not None else models.default_model_path()
-        self.set_verify(verify_tokens, verify_threshold)
+        self.set_verify(verify_tokens, verify_threshold, verify_rule)
         self.compact = bool(compact)
         self.set_budget(budget)
         self._evictor = _supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = _check_gate_mode(gate)  # validates the mode before loading anything
+        # n_gpu_layers: a count, 'all', or None = $PAGE_LOCAL_N_GPU_LAYERS, else all on a GPU build, else 0
+        n_gpu_layers = None if n_gpu_layers is None else parse_n_gpu_layers(n_gpu_layers)
         self.seed = seed
         self._lock = threading.Lock()
-        self.model = Model(path)
+        self.model = Model(path, n_gpu_layers=n_gpu_layers)
         try:
             self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, flash_attn=flash_attn,
-                                                         type_kv=type_kv, n_seq_max=1 + MAX_FUTURES))
+                                                         type_kv=type_kv, n_seq_max=1 + MAX_FUTURES,
+                                                         allow_long_context=allow_long_context))
         except Exception:
             self.model.close()
             raise
@@ -188,12 +196,13 @@ class Engine:
         self.gate_mode = _check_gate_mode(mode)
         self.gate = gate_mod.Gate(_BASE_GATE[mode], self.gate.profile)
 
-    def set_verify(self, tokens: int, threshold: float) -> None:
+    def set_verify(self, tokens: int = VERIFY_CAP, threshold: float | None = None, rule: str = VERIFY_RULE) -> None:
+        """tokens: the most answer tokens checked (the check ends earlier with the answer); rule and
+        threshold: verify.RULES (threshold None = the rule's default)."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= 256:
             raise ValueError(f"verify_tokens must be an int in [1, 256], got {tokens!r}")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
-            raise ValueError(f"verify_threshold must be a number >= 0 (nats per token), got {threshold!r}")
-        self.verify_tokens, self.verify_threshold = tokens, float(threshold)
+        rule, threshold = check_rule(rule, threshold)
+        self.verify_tokens, self.verify_threshold, self.verify_rule = tokens, threshold, rule
 
     @property
     def evictor(self) -> str:
@@ -202,6 +211,11 @@ class Engine:
     @property
     def n_ctx(self) -> int:
         return self.ctx.n_ctx
+
+    @property
+    def placement(self) -> dict:
+        """Which device holds the layers and the KV cache: {"layers", "kv_cache", "n_gpu_layers", ...}."""
+        return self.ctx.placement()
 
     def cells_used(self) -> int:
         return self.ctx.cells_used(0)
@@ -281,6 +295,9 @@ class Engine:
                 tok = int(native_sample(sampler, ctx))
                 if self.model.is_eog(tok):
                     finish = "stop"
+                    if plan is not None and out:  # the answer ended inside the span: check it, end included
+                        self._verify(dec, plan, out, lp_full, end=tok)
+                        plan = None
                     break
                 if used + 1 > ctx.n_ctx:
                     finish = "context"
@@ -289,15 +306,15 @@ class Engine:
                 used += 1
                 self.history.append(tok)
                 out.append(tok)
-                if plan is not None and len(out) == self.verify_tokens:
-                    self._verify(dec, plan, out, lp_full)
+                if plan is not None and len(out) == self.verify_tokens:  # the cap: decide on what there is
+                    self._verify(dec, plan, out, lp_full, until="cap")
                     plan = None
                     used = self.cells_used()
                 piece = decoder.decode(self.model.token_to_piece(tok))
                 if piece:
                     yield piece
-            if plan is not None and out:  # the answer ended before m tokens: verify on what there is
-                self._verify(dec, plan, out, lp_full[: len(out)])
+            if plan is not None and out:  # max_tokens or a full context before the cap: check what there is
+                self._verify(dec, plan, out, lp_full[: len(out)], until="length")
                 plan = None
             tail = decoder.decode(b"", final=True)
             if tail:
@@ -311,15 +328,17 @@ class Engine:
             gen_s = time.perf_counter() - t0
             self.last_result = Result(self.model.detokenize(out), out, dec, finish, len(toks), gen_s)
 
-    def _verify(self, dec: Decision, plan: tuple, out: list[int], lp_full: list[np.ndarray]) -> None:
-        """Self-verified eviction: teacher-force the m generated tokens on an evicted copy of the
-        sequence (seq 1, sharing the prompt's cells) in one batch; commit it iff the mean log-prob
-        loss delta <= verify_threshold. Updates dec in place."""
+    def _verify(self, dec: Decision, plan: tuple, out: list[int], lp_full: list[np.ndarray],
+                end: int | None = None, until: str = "end") -> None:
+        """Self-verified eviction: teacher-force the generated tokens on an evicted copy of the sequence
+        (seq 1, sharing the prompt's cells) in one batch and score them with verify.verify_score; commit
+        the copy iff it passes. end: the end-of-generation token the full cache chose after out (then
+        lp_full has one more entry, and the candidate must end the answer there too). Updates dec."""
         ctx, page = self.ctx, self.ctx.page
         keep, held, last_pos, last_tok = plan
         m = len(out)
         t0 = time.perf_counter()
-        dec.verify_threshold = self.verify_threshold
+        dec.verify_threshold, dec.verify_rule = self.verify_threshold, self.verify_rule
         if self.cells_used() + m + 1 > ctx.n_ctx:
             dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
             return
@@ -327,15 +346,19 @@ class Engine:
         prefix = held[held < last_pos]
         page.evict(1, np.setdiff1d(prefix, keep, assume_unique=True))
         ctx.decode([last_tok] + out, last_pos, 1, logits="all")
-        lp_ev = [_log_softmax(ctx.logits(i)) for i in range(m)]
-        y = np.asarray(out)
+        y = list(out) + ([end] if end is not None else [])
+        k = len(y)  # positions: m answer tokens (+ the answer's end)
+        lp_ev = [_log_softmax(ctx.logits(i)) for i in range(k)]
+        lp_full = lp_full[:k]
         full = np.array([lp[t] for lp, t in zip(lp_full, y)], dtype=np.float64)
         ev = np.array([lp[t] for lp, t in zip(lp_ev, y)], dtype=np.float64)
-        delta = float(np.mean(full - ev))
-        top1 = float(np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(lp_full, lp_ev)]))
+        top_f = [self._top(lp) for lp in lp_full]
+        top_e = [self._top(lp) for lp in lp_ev]
+        changed = np.array([a != b for a, b in zip(top_f, top_e)], dtype=bool)
+        v = verify_score(full, ev, changed, rule=self.verify_rule, threshold=self.verify_threshold)
         p0 = np.exp(lp_full[0].astype(np.float64))
         kl = float(np.sum(p0 * (lp_full[0].astype(np.float64) - lp_ev[0].astype(np.float64))))
-        commit = delta <= self.verify_threshold
+        commit = v.passed
         if commit:  # the candidate already holds the m tokens: it becomes the sequence
             ctx.seq_rm(0, -1, -1)
             ctx.seq_cp(1, 0)
@@ -352,14 +375,22 @@ class Engine:
             p = ctx.seq_pos_max(0)  # restore seq 0's next-token logits
             ctx.seq_rm(0, p, p + 1)
             ctx.decode([out[-1]], p, 0)
-        dec.verify_m, dec.verify_delta, dec.verify_top1, dec.verify_kl_first = m, delta, top1, kl
+        dec.verify_m, dec.verify_until = m, until
+        dec.verify_score, dec.verify_delta, dec.verify_max, dec.verify_changed = v.score, v.mean, v.max, v.changed
+        dec.verify_top1, dec.verify_kl_first = float(1.0 - changed.mean()), kl
         dec.verify_ms = (time.perf_counter() - t0) * 1e3
         dec.evicted = commit
         dec.kept = self.cells_used() - m  # prompt positions held after the decision
         dec.compression = dec.T / dec.kept if dec.kept else 1.0
-        cmp = "<=" if commit else ">"
-        dec.reason += (f"; self-verification over {m} tokens: delta = {delta:.4f} {cmp} {self.verify_threshold:g} "
-                       f"nats/token, " + ("eviction committed" if commit else "kept the full cache"))
+        span = {"end": f"the whole answer ({m} tokens and its end)", "cap": f"the first {m} tokens (the cap)",
+                "length": f"all {m} tokens generated"}[until]
+        dec.reason += (f"; self-verification over {span}: {v.describe()}, "
+                       + ("eviction committed" if commit else "kept the full cache"))
+
+    def _top(self, lp: np.ndarray) -> int:
+        """The top token of a distribution; every end-of-generation token counts as the same one (-1)."""
+        t = int(np.argmax(lp))
+        return -1 if self.model.is_eog(t) else t
 
     def _compact(self) -> None:
         """Move the sequence's cells down after eviction: llama.cpp attends over every cell up to the
@@ -464,9 +495,10 @@ class Engine:
         verify = {}
         if self.gate_mode in ("verify", "page+verify"):
             if self.gate_mode == "verify":
-                reason = "gate mode 'verify': the evicted cache is checked on the answer's first tokens"
+                reason = "gate mode 'verify': the evicted cache is checked on the answer (up to its end or the cap)"
             if is_open and T <= B:  # nothing to evict: the candidate is the full cache itself
-                verify = dict(verify_m=0, verify_delta=0.0, verify_threshold=self.verify_threshold)
+                verify = dict(verify_m=0, verify_delta=0.0, verify_score=0.0, verify_rule=self.verify_rule,
+                              verify_threshold=self.verify_threshold)
                 reason += f"; T = {T} <= B = {B}: nothing to evict"
         kept = self.cells_used()
         return Decision(

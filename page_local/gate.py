@@ -1,6 +1,6 @@
 """PAGE's gate: evict only when the head-agreement drop D says eviction is safe (arXiv 2609.22157, §5.2).
 
-Rules (spec/algorithms.md §5.2, pinned to the authors' code):
+Rules (docs/algorithms.md §5.2, pinned to the authors' code):
 * raw: open iff D >= 0.07 ("the value used for every reported result");
 * calibrated, once the model has a profile from an unlabeled pilot: z = (D - mu) / sigma,
   open iff z >= -0.6934 (`normalized_predictor.py`; numpy std, ddof 0).

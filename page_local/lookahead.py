@@ -1,6 +1,6 @@
 """LORE-KV's lookahead: sample short continuations and score the prompt by deletion cost.
 
-(arXiv 2610.07643; spec/algorithms.md §4.) After the prompt is in sequence `seq`, S futures are
+(arXiv 2610.07643; docs/algorithms.md §4.) After the prompt is in sequence `seq`, S futures are
 copied from it as sequences 1..S that SHARE the prompt's cells (no copy), each samples tau tokens
 from the model itself (temperature 0.7, top-p 0.95, seeded), all futures advance together in one
 batch per step, and the deletion-cost probe (csrc/page-probe.cpp) scores every prompt position for

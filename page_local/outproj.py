@@ -1,9 +1,9 @@
-"""Factors of the attention output projection W_O, for LORE-KV's deletion cost (spec/algorithms.md §4.3).
+"""Factors of the attention output projection W_O, for LORE-KV's deletion cost (docs/algorithms.md §4.3).
 
 Head h writes to the residual stream through its column block W_O^(h) (d_model x d_v). With the QR
 factorisation W_O^(h) = Q_h R_h (Q_h orthonormal columns), ||W_O^(h) x|| = ||R_h x||, so the device
 only needs the small d_v x d_v factor R_h (computed as the Cholesky factor of W_O^(h)^T W_O^(h),
-which is the same matrix). Three projections, as the spec lists them:
+which is the same matrix). Three projections, as docs/algorithms.md §4.3 lists them:
 
   "wo"   : R_h from the QR of W_O^(h) (exact)
   "none" : R_h = I (no W_O: the cost is measured in value space)

@@ -1,6 +1,6 @@
 """`page-local chat`: an interactive chat on one Engine, with PAGE's gate decision after each answer.
 
-Two layers, so the REPL can be tested with scripted input (spec/style.md, rule 10):
+Two layers, so the REPL can be tested with scripted input (docs/design.md §11, rule 10):
 * `Repl` holds the ChatSession and the settings; `Repl.handle(line)` runs one complete input
   (a message or a slash command), writes to a rich Console and returns False when the user exits.
 * `run_loop` only reads lines (prompt_toolkit on a terminal, plain stdin otherwise), joins
@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import models
-from .cli_common import BudgetType, model_option, parse_budget, verify_tokens_option
+from .cli_common import BudgetType, load_options, model_option, parse_budget, show_llama_log, verify_tokens_option
 from .chat import ChatFileError, ChatSession
 from .chat_template import ChatTemplateError
 from .engine import ContextFull, Engine, Sampling
@@ -33,7 +33,8 @@ from .evictors import EVICTORS
 from .engine import GATE_MODES as MODES
 from .gate import page_local_home
 from .native import PageError
-from .runtime import DecodeError, ModelError
+from .runtime import DecodeError, ModelError, describe_placement
+from .verify import describe
 
 MAX_READ_BYTES = 16 * 1024 * 1024  # /read refuses larger files before reading them
 SETTINGS = ("budget", "evictor", "gate", "temperature", "max_tokens")
@@ -88,7 +89,8 @@ class Repl:
         """The one-time greeting: model, settings, how to continue a line, and a profile warning if any."""
         e = self.engine
         self.console.print(Text(f"page-local chat · {e.model.path.name} · n_ctx {e.n_ctx} · "
-                                + self._settings_line(), style="bold"), soft_wrap=True)
+                                f"{describe_placement(e.placement)} · " + self._settings_line(), style="bold"),
+                           soft_wrap=True)
         hint = "Esc+Enter or a trailing \\ continues a line" if multiline_hint else "a trailing \\ continues a line"
         self.console.print(Text(f"/help for commands · {hint} · Ctrl-C stops an answer · Ctrl-D exits",
                                 style="dim"))
@@ -293,6 +295,7 @@ class Repl:
                          ("tokens/s", f"{r.tokens_per_s:.1f}")):
                 t.add_row(k, str(v))
         t.add_row("cells", f"{self.engine.cells_used()}/{self.engine.n_ctx}")
+        t.add_row("device", describe_placement(self.engine.placement))
         self.console.print(t)
 
     def _gate(self, _arg: str) -> None:
@@ -316,9 +319,11 @@ class Repl:
                f"Nothing was evicted: the {d.T} positions fit within the budget of {d.B}." if d.open else
                f"All {d.T} positions were kept; nothing was dropped.")
         if d.verify_m:  # self-verification had the last word
-            what = (f"self-verification decided: the first {d.verify_m} tokens of the answer were generated with "
-                    f"the full cache, then re-scored on the evicted cache in one batch; they lost "
-                    f"{d.verify_delta:.3f} nats/token (threshold {d.verify_threshold:g}), so "
+            span = (f"the whole answer ({d.verify_m} tokens and its end)" if d.verify_until == "end" else
+                    f"the first {d.verify_m} tokens of the answer")
+            what = (f"self-verification decided: {span} were generated with the full cache, then re-scored "
+                    f"on the evicted cache in one batch: "
+                    f"{describe(d.verify_rule, d.verify_score, d.verify_threshold)}, so "
                     + ("the eviction was committed." if d.evicted else "the full cache was kept."))
             act = (f"{d.kept} of {d.T} prompt positions are held now." if d.evicted else
                    f"All {d.T} positions were kept; nothing was dropped.")
@@ -477,12 +482,15 @@ def terminal_reader(input=None, output=None) -> Callable[[str], str]:
 @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5),
               help="0 = greedy")
-def chat(model, budget, evictor, gate, verify_tokens, n_ctx, threads, system, max_tokens, temperature):
+@load_options
+def chat(model, budget, evictor, gate, verify_tokens, n_ctx, threads, system, max_tokens, temperature, n_gpu_layers,
+         allow_long_context):
     """Chat with a local model; PAGE's gate decision is shown after each answer."""
+    show_llama_log()
     try:
         path = models.resolve(model)
         engine = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads,
-                        verify_tokens=verify_tokens)
+                        verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, allow_long_context=allow_long_context)
     except (ModelError, models.ModelNotInstalled, PageError, DecodeError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None  # one line on stderr, exit code 1
     with engine:

@@ -4,41 +4,107 @@ This is the lower half of the engine layer: the only place (with engine.py) that
 llama-cpp-python objects. It never uses `Llama.generate`, which assumes contiguous positions
 (an evicted sequence has gaps). Every native resource has one owner with close() and a context
 manager; the context is closed before the model that it borrows.
+
+Loading also settles the honest limits: which device holds the layers and the KV cache
+(n_gpu_layers, Context.placement()), n_ctx against the model's trained context (ContextTooLong), and
+llama.cpp's log, routed to the "page_local.llama" logger by llama_log on first load.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import threading
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import native
+from . import llama_log, native
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}
 GGUF_MAGIC = b"GGUF"
+N_GPU_LAYERS_ENV = "PAGE_LOCAL_N_GPU_LAYERS"  # the default of n_gpu_layers: a count or "all"
+ALL_LAYERS = -1  # llama.cpp: a negative n_gpu_layers offloads every layer and the output layer
 
 
 class ModelError(ValueError):
     """The model file is missing, not a GGUF file, truncated, or unsupported."""
 
 
-_log_cb = None
-_log_lock = threading.Lock()
+class ContextTooLong(ValueError):
+    """n_ctx is larger than the model's trained context (and allow_long_context was not given)."""
+
+    def __init__(self, n_ctx: int, n_ctx_train: int):
+        self.n_ctx, self.n_ctx_train = n_ctx, n_ctx_train
+        super().__init__(f"n_ctx {n_ctx} is larger than this model's trained context {n_ctx_train}; pass "
+                         "--allow-long-context (Engine: allow_long_context=True) to run anyway")
 
 
-def quiet_logs() -> None:
-    """Silence llama.cpp's logging (errors still come back as return codes and exceptions)."""
-    global _log_cb
-    with _log_lock:
-        if _log_cb is None and not os.environ.get("PAGE_LOCAL_VERBOSE"):
-            lc = native.llama_cpp()
-            _log_cb = lc.llama_log_callback(lambda level, text, user: None)
-            lc.llama_log_set(_log_cb, ctypes.c_void_p(0))
+def parse_n_gpu_layers(value, source: str = "n_gpu_layers") -> int:
+    """'all' (or -1, llama.cpp's spelling) -> ALL_LAYERS; a whole number >= 0 -> itself; else ValueError."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "all":
+            return ALL_LAYERS
+        if re.fullmatch(r"\+?\d+|-1", text):
+            return int(text)
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= -1:
+        return int(value)
+    raise ValueError(f"{source} must be a number of layers (0 or more) or 'all', got {value!r}")
+
+
+def supports_gpu_offload() -> bool:
+    """Whether this build of the library has a GPU backend with a device present (llama.cpp's answer)."""
+    llama_log.install()
+    return bool(native.llama_cpp().llama_supports_gpu_offload())
+
+
+def gpu_devices() -> list[str]:
+    """'NAME (description)' of each device llama.cpp offloads layers to, as llama.cpp picks them with
+    the default split: the discrete GPUs, or the integrated ones when there is none ([] on CPU builds)."""
+    llama_log.install()
+    lib = native.llama_cpp().llama_cpp._lib  # the libllama CDLL; ggml's symbols resolve through it
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_count.argtypes = []
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
+        fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    found: dict[int, list[str]] = {1: [], 2: []}  # enum ggml_backend_dev_type: GPU = 1, IGPU = 2
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        kind = lib.ggml_backend_dev_type(dev)
+        if kind in found:
+            name = (lib.ggml_backend_dev_name(dev) or b"?").decode("utf-8", "replace")
+            desc = (lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace")
+            found[kind].append(f"{name} ({desc})" if desc and desc != name else name)
+    return found[1] or found[2]
+
+
+def default_n_gpu_layers() -> int:
+    """$PAGE_LOCAL_N_GPU_LAYERS if set; else every layer when the library can offload to a GPU, else 0."""
+    env = os.environ.get(N_GPU_LAYERS_ENV, "").strip()
+    if env:
+        return parse_n_gpu_layers(env, f"${N_GPU_LAYERS_ENV}")
+    return ALL_LAYERS if supports_gpu_offload() else 0
+
+
+def _where(gpu: str | None, on_gpu: int, total: int) -> str:
+    if not gpu or on_gpu <= 0:
+        return "CPU"
+    if on_gpu >= total:
+        return gpu
+    return f"{gpu} ({on_gpu} of {total} layers), CPU (the rest)"
+
+
+def describe_placement(placement: dict) -> str:
+    """'layers and KV cache on CPU', or 'layers on X, KV cache on Y' when they differ."""
+    layers, kv = placement["layers"], placement["kv_cache"]
+    return f"layers and KV cache on {layers}" if layers == kv else f"layers on {layers}, KV cache on {kv}"
 
 
 def check_gguf(path: str | os.PathLike) -> Path:
@@ -61,20 +127,30 @@ def check_gguf(path: str | os.PathLike) -> Path:
 class Model:
     """A loaded GGUF model (owner of llama_model)."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | str | None = None):
+        """n_gpu_layers: layers to offload to the GPU, 'all' (or -1), or None for the default
+        (default_n_gpu_layers(): $PAGE_LOCAL_N_GPU_LAYERS, else all on a GPU build, else 0)."""
+        n_gpu = None if n_gpu_layers is None else parse_n_gpu_layers(n_gpu_layers)
         self.path = check_gguf(path)
+        if n_gpu is None:
+            n_gpu = default_n_gpu_layers()
         lc = native.llama_cpp()
-        quiet_logs()
         from llama_cpp import _internals
 
         params = lc.llama_model_default_params()
-        params.n_gpu_layers = int(n_gpu_layers)
-        try:
-            self._m = _internals.LlamaModel(path_model=str(self.path), params=params, verbose=False)
-        except ValueError as e:  # llama-cpp-python raises ValueError("Failed to load model from file")
-            raise ModelError(
-                f"llama.cpp could not load {self.path}: the file is truncated, corrupt, or of an unsupported architecture"
-            ) from e
+        params.n_gpu_layers = n_gpu
+        with llama_log.held() as log:
+            try:
+                # verbose=True: llama-cpp-python then leaves stdout/stderr alone during the load (its
+                # verbose=False points both at /dev/null); llama.cpp's log goes to llama_log instead
+                self._m = _internals.LlamaModel(path_model=str(self.path), params=params, verbose=True)
+            except ValueError as e:  # llama-cpp-python raises ValueError("Failed to load model from file")
+                reason = log.reason()
+                log.mark_reported()
+                raise ModelError(
+                    f"llama.cpp could not load {self.path}: the file is truncated, corrupt, or of an unsupported "
+                    "architecture" + (f" (llama.cpp: {reason})" if reason else "")
+                ) from e
         self.ptr = self._m.model
         self.vocab = lc.llama_model_get_vocab(self.ptr)
         self.n_layer = int(lc.llama_model_n_layer(self.ptr))
@@ -83,6 +159,22 @@ class Model:
         self.n_embd = int(lc.llama_model_n_embd(self.ptr))
         self.n_ctx_train = int(lc.llama_model_n_ctx_train(self.ptr))
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
+        # where llama.cpp put the layers (llama_model::load_tensors, split mode "layer"): the last
+        # n_gpu - 1 repeating layers and the output layer on the GPU(s), the rest and the input on CPU
+        self.n_gpu_layers = n_gpu
+        gpus = gpu_devices() if n_gpu != 0 and supports_gpu_offload() else []
+        self.gpu = " + ".join(gpus) if gpus else None
+        wanted = self.n_layer + 1 if n_gpu < 0 else n_gpu
+        self.gpu_layers = max(0, min(self.n_layer, wanted - 1)) if gpus else 0  # repeating layers offloaded
+        self.output_on_gpu = bool(gpus) and wanted >= 1
+
+    @property
+    def layers_device(self) -> str:
+        """'CPU', the GPU's name, or a split: which device holds the model's layers."""
+        where = _where(self.gpu, self.gpu_layers, self.n_layer)
+        if where == "CPU" and self.output_on_gpu:
+            return f"CPU (output layer on {self.gpu})"
+        return where
 
     @property
     def llama_model(self):
@@ -133,6 +225,7 @@ class ContextConfig:
     threads: int = 2
     flash_attn: str = "auto"  # auto | on | off
     type_kv: str = "f16"  # f16 | f32 | q8_0 | q4_0
+    allow_long_context: bool = False  # n_ctx above the model's trained context: refused unless True
 
     def validate(self) -> None:
         if self.flash_attn not in FLASH_ATTN:
@@ -157,6 +250,8 @@ class Context:
     def __init__(self, model: Model, config: ContextConfig = ContextConfig(), cb_eval=None):
         """cb_eval: an optional llama_cpp.ggml_backend_sched_eval_callback (kept alive here; for tests)."""
         config.validate()
+        if config.n_ctx > model.n_ctx_train > 0 and not config.allow_long_context:
+            raise ContextTooLong(config.n_ctx, model.n_ctx_train)
         lc = native.llama_cpp()
         from llama_cpp import _internals
 
@@ -176,10 +271,16 @@ class Context:
         if cb_eval is not None:
             p.cb_eval = cb_eval
         self._params = p  # keep callbacks referenced for the context's lifetime
-        try:
-            self._c = _internals.LlamaContext(model=model.llama_model, params=p, verbose=False)
-        except ValueError as e:
-            raise ModelError(f"llama.cpp could not create a context (n_ctx={config.n_ctx}): {e}") from e
+        with llama_log.held() as log:
+            try:
+                self._c = _internals.LlamaContext(model=model.llama_model, params=p, verbose=False)
+            except ValueError as e:
+                reason = log.reason()
+                log.mark_reported()
+                raise ModelError(f"llama.cpp could not create a context (n_ctx={config.n_ctx}): "
+                                 + (f"{e} (llama.cpp: {reason})" if reason else str(e))) from e
+        # llama.cpp keeps each layer's K/V beside the layer when offload_kqv is on (the default)
+        self.kv_device = _where(model.gpu, model.gpu_layers if p.offload_kqv else 0, model.n_layer)
         self.ptr = self._c.ctx
         self.mem = lc.llama_get_memory(self.ptr)
         self.n_ctx = int(lc.llama_n_ctx(self.ptr))
@@ -271,6 +372,13 @@ class Context:
     def cells_used(self, seq_id: int = 0) -> int:
         return len(self.page.positions(seq_id))
 
+    def placement(self) -> dict:
+        """Which device holds the layers and the KV cache, and how many layers were offloaded."""
+        m = self.model
+        return {"layers": m.layers_device, "kv_cache": self.kv_device,
+                "n_gpu_layers": "all" if m.n_gpu_layers < 0 else m.n_gpu_layers,
+                "gpu_layers": m.gpu_layers, "n_layer": m.n_layer, "gpu": m.gpu}
+
     # --- state -------------------------------------------------------------------------------
     def seq_state(self, seq_id: int) -> bytes:
         size = self._lc.llama_state_seq_get_size(self.ptr, seq_id)
@@ -282,8 +390,12 @@ class Context:
 
     def set_seq_state(self, data: bytes, seq_id: int) -> None:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if self._lc.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id) == 0:
-            raise DecodeError("could not restore the sequence state (from another model or context size?)")
+        with llama_log.held() as log:
+            if self._lc.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id) == 0:
+                reason = log.reason()
+                log.mark_reported()
+                raise DecodeError("could not restore the sequence state (from another model or context size?)"
+                                  + (f" (llama.cpp: {reason})" if reason else ""))
 
     def close(self) -> None:
         if getattr(self, "_c", None) is not None:

@@ -1,4 +1,4 @@
-"""PAGE's head-agreement drop D (Kumar & Mishra, arXiv 2609.22157; spec/algorithms.md §5.1).
+"""PAGE's head-agreement drop D (Kumar & Mishra, arXiv 2609.22157; docs/algorithms.md §5.1).
 
 Per layer l, every query head h has a top-k set S_{l,h} of the positions its window attention
 favours (ProbeResult.topk_pos). The layer agreement is the mean pairwise Jaccard

@@ -30,7 +30,7 @@ def test_run_json(cli, tmp_path):
     res = cli("run", "--prompt", PROMPT, "--json", "--gate", "never", *SMALL)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert set(out) == {"text", "finish_reason", "decision", "tokens_per_s"}
+    assert set(out) == {"text", "finish_reason", "decision", "tokens_per_s", "device"}
     assert set(out["decision"]) == {f.name for f in fields(Decision)}
     assert out["text"].startswith(" Paris") and out["finish_reason"] == "length" and out["tokens_per_s"] > 0
     assert out["decision"]["gate_mode"] == "never" and out["decision"]["kept"] == out["decision"]["T"]

@@ -19,7 +19,7 @@ from page_local.native import UnsupportedModel
 from page_local.runtime import ModelError
 
 # One thread: on this 2-core machine, 2 llama.cpp threads next to any other busy process spin on
-# their barrier (DESIGN.md: tests may use 1 thread); this file took 350 s instead of 74 s.
+# their barrier (docs/design.md §8: tests may use 1 thread); this file took 350 s instead of 74 s.
 THREADS = 1
 N_SINK = 4
 

@@ -19,6 +19,7 @@ from page_local.eval.runner import FULL, KEY_FIELDS, ChatPrompter, _Run, read_ro
 from page_local.eval.tasks import generate
 from page_local.evictors.base import Evictor
 from page_local.gate import Gate
+from page_local.verify import VERIFY_CAP, verify_score
 
 THREADS = 1
 LENGTH = 600
@@ -29,7 +30,8 @@ GATES = ("always", "page", "verify")
 N_CONFIGS = 1 + len(BUDGETS) * len(EVICTORS) * len(GATES)
 ROW_FIELDS = ("task", "index", "length", "T", "B", "evictor", "budget", "gate", "D", "z", "open", "kept",
               "compression", "prediction", "score", "correct", "nll_full", "nll_evicted", "delta_nll",
-              "delta_self", "verify_open", "timings", "evicted", "correct_full", "score_full", "page_open",
+              "delta_self", "verify_open", "verify_rule", "verify_score", "verify_threshold", "verify_end",
+              "verify_loss", "verify_changed", "timings", "evicted", "correct_full", "score_full", "page_open",
               "nll_candidate", "delta_nll_candidate", "correct_candidate", "correct_committed", "n_prompt",
               *KEY_FIELDS)
 
@@ -65,6 +67,7 @@ def test_every_sample_and_configuration_has_one_complete_row(tiny):
     assert sum(r["rows_written"] for r in results) == 3 * N_CONFIGS
     assert calls[0] == (0, 2 * N_CONFIGS) and calls[-1] == (2 * N_CONFIGS, 2 * N_CONFIGS)
     assert len({row_key(r) for r in rows}) == len(rows)
+    full_len = {(r["task"], r["index"]): r["timings"]["gen_tokens"] for r in rows if r["gate"] == FULL}
     for r in rows:
         missing = [f for f in ROW_FIELDS if f not in r]
         assert not missing, missing
@@ -85,8 +88,21 @@ def test_every_sample_and_configuration_has_one_complete_row(tiny):
         if r["gate"] == "page":
             assert r["open"] == r["page_open"] == (r["D"] >= 0.07)
         if r["gate"] == "verify":
-            assert r["verify_open"] == (r["delta_self"] <= 0.05) and r["open"] == r["verify_open"]
-            assert np.isfinite(r["delta_self"]) and 1 <= r["verify_tokens"] <= 16
+            # the whole answer is checked (up to the cap), its end too when it ended in the span
+            assert r["verify_m"] == VERIFY_CAP
+            assert r["verify_tokens"] == min(full_len[(r["task"], r["index"])], VERIFY_CAP) >= 1
+            loss = np.asarray(r["verify_loss"])
+            assert loss.size == r["verify_tokens"] + r["verify_end"]
+            assert r["delta_self"] == pytest.approx(loss.mean(), abs=1e-5)
+            changed = np.zeros(loss.size, bool)
+            changed[r["verify_changed"]] = True
+            v = verify_score(loss, np.zeros(loss.size), changed, rule=r["verify_rule"], threshold=r["verify_threshold"])
+            assert r["verify_score"] == pytest.approx(v.score, abs=1e-5)
+            assert r["verify_open"] == v.passed == (r["verify_score"] <= r["verify_threshold"])
+            assert r["open"] == r["verify_open"]
+            if r["verify_open"] and r["verify_end"]:  # the whole answer passed: the user reads the full cache's
+                assert r["prediction"] == next(x["prediction"] for x in rows if x["gate"] == FULL
+                                               and (x["task"], x["index"]) == (r["task"], r["index"]))
         if not r["evicted"]:  # a closed gate is exactly the full cache
             assert r["kept"] == r["T"] and r["delta_nll"] == 0.0
             assert r["correct"] == r["correct_full"]
@@ -141,7 +157,7 @@ def test_prefill_once_and_copies_match_the_engine_and_an_empty_eviction_changes_
         sample = generate("niah_single_1", 1, LENGTH, prompter.count_tokens, 42, start=1)[0]
         p = prompter.prompt(sample)
         ref = eng.generate(p.text, max_tokens=sample.max_new_tokens)
-        run = _Run(eng, Gate("page"), {"keep-all": KeepAll()}, [0.5], ["always", "verify"], 16, 42)
+        run = _Run(eng, Gate("page"), {"keep-all": KeepAll()}, [0.5], ["always", "verify"], VERIFY_CAP, 42)
         rows = run.sample(p, {(None, None, FULL), ("keep-all", "0.5", "always"), ("keep-all", "0.5", "verify")})
         assert run.last_full.tokens == ref.tokens  # token for token
         assert len(eng.ctx.page.positions(1)) == 0  # sequence 1 is cleaned up
@@ -152,6 +168,7 @@ def test_prefill_once_and_copies_match_the_engine_and_an_empty_eviction_changes_
         if r["gate"] == FULL:
             continue
         assert abs(r["delta_nll_candidate"]) < 0.05 and abs(r["delta_self"]) < 0.01
+        assert r["verify_score"] < 0.05 and r["verify_changed"] == [] and r["verify_end"]
         assert r["verify_open"] and r["correct_candidate"] == full["correct"]
 
 

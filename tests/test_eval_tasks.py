@@ -1,4 +1,4 @@
-"""RULER-style tasks, readers and scoring (page_local.eval; spec/algorithms.md §6). No model needed."""
+"""RULER-style tasks, readers and scoring (page_local.eval; docs/algorithms.md §6). No model needed."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def test_cwe_answers_are_the_most_common_words(target, reps):
         assert set(counts) - set(cwe_real_words())  # the pool was extended with pseudo-words
 
 
-# --- templates (spec §6) -----------------------------------------------------------------------
+# --- templates (docs/algorithms.md §6) ----------------------------------------------------------
 
 def test_niah_singular_rule_matches_ruler():
     assert niah_singular(NIAH_TEMPLATE).format(type_v="number", context="C", query="k") == (

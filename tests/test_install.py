@@ -50,11 +50,14 @@ def test_installed_package_loads_its_own_library(installed):
     tmp, venv, env = installed
     elsewhere = tmp / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
+    # llama_cpp imported first, on its own (as another library of the app might): it binds the
+    # patched library installed with page-local; page_local then loads that very file
     probe = (
-        "import json, sys, page_local.native as n, llama_cpp, llama_cpp.llama_cpp as l, page_local_bindings.loader as b;"
-        "n.load();"
-        "print(json.dumps({'ours': str(b.library_dir()), 'llama_cpp': l._lib._name, 'pkg': llama_cpp.__file__,"
-        " 'mods': sorted(m for m in sys.modules if m.startswith('page_local'))}))"
+        "import json, llama_cpp, llama_cpp.llama_cpp as l;"
+        "first = l._lib._name; has_page = hasattr(l._lib, 'llama_page_last_error');"
+        "import page_local.native as n, page_local_bindings.loader as b; n.load();"
+        "print(json.dumps({'first': first, 'has_page': has_page, 'ours': str(b.library_dir()),"
+        " 'pkg': llama_cpp.__file__}))"
     )
     r = _run([venv / "bin" / "python", "-c", probe], elsewhere, env)
     info = json.loads(r.stdout.strip().splitlines()[-1])
@@ -62,8 +65,9 @@ def test_installed_package_loads_its_own_library(installed):
     # the library is the one inside the installed package, not the checkout's build tree
     assert Path(info["ours"]).is_relative_to(site), info
     assert not Path(info["ours"]).is_relative_to(REPO), info
-    # one libllama: llama_cpp (installed with page-local, from the same sdist) bound the same file
-    assert os.path.samefile(info["llama_cpp"], Path(info["ours"]) / "libllama.so"), info
+    # one libllama, and it is the patched one
+    assert info["has_page"], info
+    assert os.path.samefile(info["first"], Path(info["ours"]) / "libllama.so"), info
     assert Path(info["pkg"]).is_relative_to(site), info
     # no second llama.cpp distribution and no upstream install tree dumped into site-packages
     pip_list = _run([venv / "bin" / "python", "-m", "pip", "list", "--format=json"], elsewhere, env).stdout

@@ -1,7 +1,7 @@
 """LORE-KV: the deletion-cost probe against a float64 reference, the lookahead's futures, the evictor.
 
 The deletion cost of key p for a query with attention a and head output o is
-    c = a_p / (1 - a_p) * ||W_O^(h) (v_p - o)||     (spec/algorithms.md §4.2)
+    c = a_p / (1 - a_p) * ||W_O^(h) (v_p - o)||     (docs/algorithms.md §4.2)
 summed over heads. The tiny f32 models of tests/tiny_model.py give the exact reference.
 """
 

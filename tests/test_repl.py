@@ -99,6 +99,17 @@ def test_gate_always_evicts_and_stats_and_gate_explain(make_repl):
     assert "page-local calibrate" in text
 
 
+def test_gate_explains_a_verify_decision(make_repl):
+    repl, out = make_repl()  # the default gate: verify
+    repl.handle(LONG + " Which colour is item 4?")
+    d = repl.engine.last_decision
+    assert d.gate_mode == "verify" and d.verify_m and d.verify_rule
+    repl.handle("/gate")
+    text = " ".join(out().split())
+    assert "self-verification decided:" in text and "re-scored on the evicted cache in one batch" in text
+    assert ("the eviction was committed." if d.evicted else "the full cache was kept.") in text
+
+
 def test_gate_explains_page_decision(make_repl):
     repl, out = make_repl()
     repl.handle("/set gate page")

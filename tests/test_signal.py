@@ -1,4 +1,4 @@
-"""Head-agreement drop D (PAGE, spec/algorithms.md §5.1) on hand-built top-k sets."""
+"""Head-agreement drop D (PAGE, docs/algorithms.md §5.1) on hand-built top-k sets."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Self-verified eviction (gate modes "verify" and "page+verify") on SmolLM2: the first m tokens are
-generated with the full cache, teacher-forced on an evicted copy, and the eviction is committed iff
-the mean log-prob loss delta <= threshold."""
+"""Self-verified eviction (gate modes "verify" and "page+verify") on SmolLM2: the answer is generated
+with the full cache up to its end or the cap (verify_tokens), teacher-forced on an evicted copy, and the
+eviction is committed iff verify.verify_score passes (by default: no checked position changes the top
+token)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from page_local.engine import Engine
+from page_local.verify import RULES, VERIFY_CAP, VERIFY_RULE
 
 THREADS = 1
 HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -44,10 +46,11 @@ def test_budget_one_is_exactly_the_full_cache(engine, full_run):
 def test_tiny_budget_on_a_needle_is_rejected_and_keeps_the_full_cache(engine, full_run):
     engine.set_gate("verify")
     engine.set_budget(40)  # sinks + window + 4: the needle cannot survive
-    engine.set_verify(8, 0.05)
+    engine.set_verify(8)
     r = engine.generate(NEEDLE, max_tokens=20)
     d = r.decision
-    assert d.verify_m == 8 and d.verify_delta > d.verify_threshold
+    assert d.verify_m == 8 and d.verify_until == "cap" and d.verify_score > d.verify_threshold
+    assert d.verify_rule == VERIFY_RULE and d.verify_threshold == RULES[VERIFY_RULE][1]
     assert not d.evicted and d.kept == d.T
     assert "kept the full cache" in d.reason
     # nothing of the candidate is left: the cache is the full one, tokens are the full run's
@@ -59,10 +62,10 @@ def test_tiny_budget_on_a_needle_is_rejected_and_keeps_the_full_cache(engine, fu
 def test_committed_eviction_streams_the_full_cache_tokens_first(engine, full_run):
     engine.set_gate("verify")
     engine.set_budget(0.5)
-    engine.set_verify(4, 10.0)  # a permissive threshold: commit whatever delta is
+    engine.set_verify(4, 10.0)  # a permissive threshold: commit whatever the loss is
     r = engine.generate(NEEDLE, max_tokens=20)
     d = r.decision
-    assert d.evicted and d.verify_m == 4 and d.kept == d.B
+    assert d.evicted and d.verify_m == 4 and d.verify_until == "cap" and d.kept == d.B
     assert np.isfinite(d.verify_delta) and 0.0 <= d.verify_top1 <= 1.0 and d.verify_kl_first >= -1e-6
     assert r.tokens[:4] == full_run[0][:4]  # the m streamed tokens come from the full cache
     held = engine.ctx.page.positions(0)
@@ -70,10 +73,44 @@ def test_committed_eviction_streams_the_full_cache_tokens_first(engine, full_run
     assert d.verify_ms < d.prefill_ms  # one extra batch decode of m tokens
 
 
+def test_the_default_check_covers_the_whole_answer_and_its_end(engine, full_run):
+    """The needle's answer (' 4817302.', 9 tokens, then end-of-generation) is shorter than the cap:
+    all of it, and its end, is checked; whatever the decision, the user reads the full cache's answer."""
+    engine.set_gate("verify")
+    engine.set_verify()
+    assert engine.verify_tokens == VERIFY_CAP
+    n = len(full_run[0])
+    assert n < VERIFY_CAP
+    for budget in (0.5, 0.25, 40):
+        engine.set_budget(budget)
+        r = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8)
+        d = r.decision
+        assert r.finish_reason == "stop" and r.tokens == full_run[0][:n]
+        assert d.verify_m == n and d.verify_until == "end" and "whole answer" in d.reason
+        assert d.verify_score == {"argmax": d.verify_changed, "max": max(d.verify_max, 0.0)}[VERIFY_RULE]
+        assert d.evicted == (d.verify_score <= d.verify_threshold)
+        assert d.kept == (d.B if d.evicted else d.T)
+        assert len(engine.ctx.page.positions(1)) == 0
+    assert not d.evicted  # budget 40 loses the needle: the check refuses it
+
+
+def test_a_longer_check_is_never_more_permissive(engine):
+    """The same full-cache answer checked on longer and longer spans: the score never falls."""
+    engine.set_gate("verify")
+    engine.set_budget(0.125)
+    scores = []
+    for m in (2, 5, 9):
+        engine.set_verify(m, 1e9)  # run every check to completion
+        d = engine.generate(NEEDLE, max_tokens=m).decision
+        assert d.verify_m == m
+        scores.append(d.verify_score)
+    assert all(b >= a - 1e-3 for a, b in zip(scores, scores[1:])), scores
+
+
 def test_page_plus_verify_runs_verification_only_where_the_gate_opens(engine):
     engine.set_gate("page+verify")
     engine.set_budget(0.25)
-    engine.set_verify(4, 0.05)
+    engine.set_verify(4)
     r = engine.generate(NEEDLE, max_tokens=8)
     d = r.decision
     assert (d.verify_m is not None) == (d.open and d.T > d.B)
@@ -83,5 +120,7 @@ def test_bad_verify_settings(engine):
     for m, thr in ((0, 0.05), (1000, 0.05), (4, -1.0), (True, 0.05)):
         with pytest.raises(ValueError):
             engine.set_verify(m, thr)
+    with pytest.raises(ValueError, match="verify rule must be one of"):
+        engine.set_verify(4, None, "median")
     with pytest.raises(ValueError, match="gate mode must be one of"):
         engine.set_gate("sometimes")

@@ -420,4 +420,6 @@ def summarize(rows: Sequence[dict]) -> dict:
                 accuracy=accuracy(rows), harm=harm(rows), harm_by_task=harm(rows, by_task=True),
                 compression=compression(rows), open_rates=open_rates(rows), class_counts=class_counts(cls),
                 class_harm=class_harm(rows, cls), aurocs=aurocs(rows), d_by_task=d_by_task(rows),
-                calibrated_threshold=calibrated_threshold(rows), timing=timing(rows))
+                calibrated_threshold=calibrated_threshold(rows), timing=timing(rows),
+                verify=next(({"rule": r["verify_rule"], "threshold": r.get("verify_threshold")} for r in rows
+                             if r.get("verify_rule")), None))  # None: rows from before verify.py (mean, m = 16)

@@ -133,6 +133,16 @@ def _d_table(s: dict) -> str:
     return _table(["task", "n", "mean D", "std", "min", "median", "max"], rows)
 
 
+def _verify_rule_words(v: dict | None) -> str:
+    if not v:  # rows written before verify.py: the mean over the first m tokens
+        return "verify = evict iff Δself ≤ 0.05 nats/token over the first m full-cache tokens."
+    from ..verify import RULES
+
+    what = RULES.get(v["rule"], (v["rule"],))[0]
+    return (f"verify = evict iff {what} ≤ {v['threshold']:g} (rule `{v['rule']}`) over the full cache's answer, "
+            "up to its end or m tokens.")
+
+
 def markdown(s: dict, plots: dict[str, str] | None = None, title: str | None = None) -> str:
     run = s["run"]
     t = s.get("timing") or {}
@@ -147,7 +157,7 @@ def markdown(s: dict, plots: dict[str, str] | None = None, title: str | None = N
              "Gates: plain = the evictor always; PAGE = evict iff the PAGE gate opens "
              "(raw D ≥ 0.07, or calibrated z ≥ −0.6934"
              + (f"; here D ≥ {s['calibrated_threshold']:.4f}" if s.get("calibrated_threshold") is not None else "")
-             + "); verify = evict iff Δself ≤ 0.05 nats/token over the first m full-cache tokens."
+             + "); " + _verify_rule_words(s.get("verify"))
              + (f" PAGE (z) = the PAGE gate re-decided from each input's D under the calibration profile "
                 f"`{s['profile']['file']}` (unlabeled pilot of {s['profile']['n_pilot']} prompts: "
                 f"μ = {s['profile']['mu']:.4f}, σ = {s['profile']['sigma']:.4f}): open iff z ≥ −0.6934, "

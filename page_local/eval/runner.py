@@ -1,6 +1,6 @@
 """The evaluation runner: every evictor x budget x gate configuration of every sample, from ONE prefill.
 
-Per sample (DESIGN.md, "Evaluation in brief"):
+Per sample (docs/design.md §9, "Evaluation in brief"; docs/algorithms.md §6.8):
   1. the prompt is the model's own chat template (GGUF metadata, llama-cpp-python's Jinja2 chat
      formatter): user = context + "\\n\\n" + question, and the task's answer prefix opens the
      assistant turn (otherwise small models restate the question);
@@ -15,18 +15,21 @@ Per sample (DESIGN.md, "Evaluation in brief"):
        position (llama.cpp accepts a batch only at the sequence's highest position + 1);
   4. on each candidate cache: the teacher-forced NLL of the first reference answer (" " + answer,
      appended after the prompt; total nats over its tokens), greedy generation up to the task's
-     max_new_tokens (stop at end-of-generation), and, for evicted candidates, the self-verification
-     score delta_self = mean over the first m tokens generated with the FULL cache of
-     log p_full - log p_evicted, teacher-forced on the evicted cache in one batch (Engine._verify);
+     max_new_tokens (stop at end-of-generation), and, for evicted candidates, self-verification as
+     Engine._verify does it: the FULL cache's answer up to its end (its end-of-generation included)
+     or the cap m (verify.VERIFY_CAP) is teacher-forced on the evicted cache in one batch, and
+     verify.verify_score decides from the per-token losses log p_full - log p_evicted and the
+     positions whose top token changed (both stored per row: verify_loss, verify_changed);
   5. gate configurations are then read off the candidates (greedy decoding is deterministic):
-     always = the plain evictor; page = evicted iff PAGE's gate opens; verify = evicted iff
-     delta_self <= 0.05 (the engine's default), and then the answer is the m full-cache tokens
-     followed by the evicted cache's continuation, as Engine(gate="verify") streams it;
-     page+verify = both.
+     always = the plain evictor; page = evicted iff PAGE's gate opens; verify = evicted iff the
+     check passes (verify.VERIFY_RULE, the engine's default), and then the answer is the checked
+     full-cache tokens followed, past the cap, by the evicted cache's continuation, as
+     Engine(gate="verify") streams it; page+verify = both.
 
 Rows (JSONL, one per (sample, configuration)) carry the candidate's own outcome next to the
 configuration's (`*_candidate`, `*_committed`, `delta_self`, `D`), so any PAGE or verify threshold
-can be evaluated post hoc (metrics.py). The run is resumable: rows already in the output file are
+can be evaluated post hoc (metrics.py; verify rules from verify_loss / verify_changed with
+verify.verify_score). The run is resumable: rows already in the output file are
 skipped, keyed by (model, source, task, index, length target, seed, query_agnostic, verify_m,
 evictor, budget, gate).
 
@@ -50,6 +53,7 @@ import numpy as np
 from . import scoring
 from ..chat_template import ChatTemplate
 from ..lookahead import log_softmax
+from ..verify import VERIFY_CAP, VERIFY_RULE, RULES, verify_score
 from .readers import read_samples
 from .tasks import Sample, generate, get_task
 
@@ -59,7 +63,6 @@ KEY_FIELDS = ("model", "source", "task", "index", "length_target", "seed", "quer
 EVAL_GATES = ("always", "page", "verify", "page+verify")
 FULL = "full"  # the gate name of the full-cache configuration (evictor and budget are None)
 DEFAULT_BUDGETS = (0.5, 0.25, 0.125, 0.0625)
-VERIFY_DELTA = 0.05  # nats/token: the engine's default threshold (engine.VERIFY_DELTA)
 CTX_MARGIN = 64
 
 Progress = Callable[[int, int], None]
@@ -156,17 +159,21 @@ def _teacher_force(ctx, first_logits: np.ndarray, targets: Sequence[int], pos: i
 
 
 def _greedy(ctx, model, first_logits: np.ndarray, pos: int, seq: int, max_new: int,
-            want_logp: bool = False) -> tuple[list[int], list[float], str]:
+            want_logp: bool = False) -> tuple[list[int], list[float], str, int | None]:
     """Greedy generation from first_logits; tokens are decoded at pos.. in seq.
 
-    Returns (tokens without the end-of-generation token, log p of each of them, finish)."""
+    Returns (tokens without the end-of-generation token, log p of each of them, finish, the
+    end-of-generation token or None); with want_logp and finish "stop", lps has one more entry: the
+    end-of-generation token's."""
     out: list[int] = []
     lps: list[float] = []
     logits = first_logits
     for _ in range(max_new):
         tok = int(np.argmax(logits))
         if model.is_eog(tok):
-            return out, lps, "stop"
+            if want_logp:
+                lps.append(_logp(logits, tok))
+            return out, lps, "stop", tok
         out.append(tok)
         if want_logp:
             lps.append(_logp(logits, tok))
@@ -175,7 +182,7 @@ def _greedy(ctx, model, first_logits: np.ndarray, pos: int, seq: int, max_new: i
         ctx.decode([tok], pos, seq)
         pos += 1
         logits = ctx.logits()
-    return out, lps, "length"
+    return out, lps, "length", None
 
 
 def _ms(t0: float) -> float:
@@ -194,8 +201,13 @@ class Candidate:
     nll: float | None = None
     tokens: list[int] = field(default_factory=list)
     finish: str = ""
-    delta_self: float | None = None
-    verify_m: int | None = None
+    delta_self: float | None = None  # mean per-token loss over the checked span
+    verify_m: int | None = None  # answer tokens checked
+    verify_open: bool | None = None  # the check passed (verify.VERIFY_RULE)
+    verify_score: float | None = None
+    verify_end: bool | None = None  # the answer's end was checked too
+    verify_loss: list[float] | None = None  # per checked position, log p_full - log p_evicted
+    verify_changed: list[int] | None = None  # checked positions whose top token differs
     verify_top1: float | None = None
     verify_kl_first: float | None = None
     committed: list[int] | None = None  # verify's answer if it commits (full-cache m tokens + continuation)
@@ -256,7 +268,8 @@ class _Run:
                     if T <= B:
                         c = Candidate(evicted=False, kept=T, B=B, nll=full.nll, tokens=full.tokens,
                                       finish=full.finish, delta_self=0.0, verify_m=0, verify_top1=1.0,
-                                      verify_kl_first=0.0, committed=full.tokens)
+                                      verify_kl_first=0.0, committed=full.tokens, verify_open=True,
+                                      verify_score=0.0, verify_end=False, verify_loss=[], verify_changed=[])
                         cands[(ename, _jkey(b))] = c
                         continue
                     signals = self._signals(ev, extra, probe, held, prefill_attn, toks, s, _align, logits0)
@@ -345,16 +358,17 @@ class _Run:
         ctx.seq_rm(1, n, -1)
         c.timings["nll_ms"] = _ms(t0)
         t0 = time.perf_counter()
-        c.tokens, lps, c.finish = _greedy(ctx, self.model, first, n, 1, p.sample.max_new_tokens, want_logp)
+        c.tokens, lps, c.finish, eog = _greedy(ctx, self.model, first, n, 1, p.sample.max_new_tokens, want_logp)
         ctx.seq_rm(1, n, -1)
         c.timings["gen_ms"] = _ms(t0)
         c.timings["gen_tokens"] = len(c.tokens)
         if want_logp:
-            self.full_logp = lps
+            self.full_logp, self.full_eog = lps, eog
 
     def _verify(self, c: Candidate, p: Prompt, full: Candidate, first: np.ndarray) -> None:
-        """delta_self over the first m full-cache tokens, teacher-forced on the candidate in one batch,
-        and (when a verify gate is evaluated) the answer Engine(gate="verify") gives if it commits."""
+        """Self-verification of the candidate: the full cache's answer up to its end or the cap m,
+        teacher-forced on the candidate in one batch, scored by verify.verify_score; and (when a verify
+        gate is evaluated) the answer Engine(gate="verify") gives if it commits."""
         ctx, n, m = self.ctx, p.n, self.verify_m
         y = full.tokens[:m]
         k = len(y)
@@ -362,23 +376,32 @@ class _Run:
             c.committed = list(full.tokens)
             return
         t0 = time.perf_counter()
-        lp_full = np.asarray(self.full_logp[:k], dtype=np.float64)
+        # the answer ended inside the span: its end-of-generation is one more checked position
+        end = full.finish == "stop" and len(full.tokens) < m
+        lp_full = np.asarray(self.full_logp[: k + int(end)], dtype=np.float64)
         outs = _decode_all(ctx, y, n, 1)  # outs[i] = distribution after y[:i+1]
-        ev_logits = [first] + outs[: k - 1]
-        lp_ev = np.asarray([_logp(lg, t) for lg, t in zip(ev_logits, y)], dtype=np.float64)
-        c.delta_self = float(np.mean(lp_full - lp_ev))
-        c.verify_m = k
-        c.verify_top1 = float(np.mean([int(np.argmax(lg)) == t for lg, t in zip(ev_logits, y)]))
+        ev_logits = [first] + outs[: k - 1] + ([outs[k - 1]] if end else [])
+        top = lambda lg: -1 if self.model.is_eog(t := int(np.argmax(lg))) else t  # noqa: E731
+        y_pos = list(y) + ([self.full_eog] if end else [])
+        top_full = list(y) + ([-1] if end else [])  # greedy: the full cache's token is its top token
+        lp_ev = np.asarray([_logp(lg, t) for lg, t in zip(ev_logits, y_pos)], dtype=np.float64)
+        changed = np.array([top(lg) != t for lg, t in zip(ev_logits, top_full)], dtype=bool)
+        v = verify_score(lp_full, lp_ev, changed, rule=VERIFY_RULE)
+        c.delta_self, c.verify_score, c.verify_open = v.mean, v.score, v.passed
+        c.verify_m, c.verify_end = k, bool(end)
+        c.verify_loss = [round(float(x), 6) for x in lp_full - lp_ev]
+        c.verify_changed = [int(i) for i in np.flatnonzero(changed)]
+        c.verify_top1 = float(1.0 - changed.mean())
         pf, pe = log_softmax(self.full_first), log_softmax(first)
         c.verify_kl_first = float(np.sum(np.exp(pf) * (pf - pe)))
         if self.need_commit:
             rest = p.sample.max_new_tokens - k
-            if k < m or rest <= 0:  # the full answer ended before m tokens, or no room after them
+            if k < m or rest <= 0:  # the whole answer was checked: the committed answer is the full cache's
                 c.committed = list(full.tokens)
             elif c.tokens[:m] == y:  # the evicted cache itself produced y: its continuation is the same
                 c.committed = list(c.tokens)
             else:
-                more, _, _ = _greedy(ctx, self.model, outs[k - 1], n + k, 1, rest)
+                more = _greedy(ctx, self.model, outs[k - 1], n + k, 1, rest)[0]
                 c.committed = list(y) + more
         ctx.seq_rm(1, n, -1)
         c.timings["verify_ms"] = _ms(t0)
@@ -399,6 +422,8 @@ class _Run:
                              kept=T, compression=1.0, prediction=full_pred, finish=full.finish,
                              score=full_score, correct=full_correct, nll_evicted=full.nll, delta_nll=0.0,
                              delta_self=None, verify_open=None, verify_tokens=None, verify_top1=None,
+                             verify_rule=None, verify_score=None, verify_threshold=None, verify_end=None,
+                             verify_loss=None, verify_changed=None,
                              verify_kl_first=None, nll_candidate=None, delta_nll_candidate=None,
                              score_candidate=None, correct_candidate=None, score_committed=None,
                              correct_committed=None,
@@ -409,7 +434,7 @@ class _Run:
             plain_score = scoring.score(sample, plain_pred)
             com_pred = det(c.committed) if c.committed is not None else None
             com_score = scoring.score(sample, com_pred) if com_pred is not None else None
-            verify_open = c.delta_self is not None and c.delta_self <= VERIFY_DELTA
+            verify_open = bool(c.verify_open)  # False when nothing was checked (the engine keeps the full cache)
             can_evict = c.evicted
             for gname in self.gates:
                 if (ename, bkey, gname) not in wanted:
@@ -433,6 +458,8 @@ class _Run:
                     kept=kept, compression=T / kept if kept else 1.0, prediction=pred, finish=fin,
                     score=sc, correct=sc == 1.0, nll_evicted=nll_ev, delta_nll=nll_ev - full.nll,
                     delta_self=c.delta_self, verify_open=verify_open, verify_tokens=c.verify_m,
+                    verify_rule=VERIFY_RULE, verify_score=c.verify_score, verify_threshold=RULES[VERIFY_RULE][1],
+                    verify_end=c.verify_end, verify_loss=c.verify_loss, verify_changed=c.verify_changed,
                     verify_top1=c.verify_top1, verify_kl_first=c.verify_kl_first,
                     nll_candidate=c.nll, delta_nll_candidate=c.nll - full.nll,
                     score_candidate=plain_score, correct_candidate=plain_score == 1.0,
@@ -566,8 +593,9 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
              budgets: Sequence = DEFAULT_BUDGETS, evictors: Sequence[str] = ("snapkv",),
              gates: Sequence[str] = ("always", "page"), out: str | os.PathLike = "results/eval.jsonl",
              seed: int = 42, threads: int = 2, n_ctx: int | None = None, query_agnostic: bool = False,
-             verify_m: int = 16, progress: Progress | None = None, input: str | os.PathLike | None = None,
-             system: str | None = None, limit_s: float | None = None, plain: bool = False) -> dict:
+             verify_m: int = VERIFY_CAP, progress: Progress | None = None, input: str | os.PathLike | None = None,
+             system: str | None = None, limit_s: float | None = None, plain: bool = False,
+             n_gpu_layers: int | str | None = None, allow_long_context: bool = False) -> dict:
     """Evaluate every (sample, configuration); rows are appended to `out` (JSONL), resuming.
 
     model: a registered name (smollm2, qwen2.5-coder, gemma3-270m), a GGUF path, or None (default).
@@ -575,6 +603,7 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     gates: any of always, page, verify, page+verify; the full cache is always evaluated.
     progress(done, total) counts rows (already present ones included; first call before any work).
     limit_s: stop after the sample during which this many seconds passed (the run stays resumable).
+    n_gpu_layers, allow_long_context: as Engine's (allow_long_context also lifts the trained-context check).
     Returns {"out", "rows_written", "rows_present", "samples", "samples_run", "wall_s", "per_sample_s"}.
     """
     from .. import gate as gate_mod
@@ -604,7 +633,7 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     model_id = gate_mod.model_identity(path)
     source = "generated" if input is None else str(input)
 
-    with Model(path) as tok_model:
+    with Model(path, n_gpu_layers=0) as tok_model:  # the tokenizer only
         prompter = ChatPrompter(tok_model, system, plain=plain)
         samples = load_samples(prompter, tasks, n, length, seed, input)
         if not samples:
@@ -614,12 +643,16 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
             if p.split < 2:
                 raise ValueError(f"{p.sample.task}[{p.sample.index}]: the prompt is too short")
         n_ctx_train = tok_model.n_ctx_train
-    need = max(p.n + max(p.sample.max_new_tokens, len(p.reference), verify_m) + 2 for p in prompts)
-    if need > n_ctx_train:
+    # the verify span is at most the full cache's answer (max_new_tokens), so verify_m needs no room of its own
+    need = max(p.n + max(p.sample.max_new_tokens, len(p.reference)) + 2 for p in prompts)
+    if need > n_ctx_train and not allow_long_context:
         raise ValueError(f"the longest prompt needs {need} tokens of context, more than the model was trained "
-                         f"on ({n_ctx_train}); use a smaller length")
+                         f"on ({n_ctx_train}); use a smaller length (or --allow-long-context)")
+    auto_ctx = n_ctx is None
     if n_ctx is None:
         n_ctx = _round_ctx(need + CTX_MARGIN)
+        if n_ctx > n_ctx_train >= need + CTX_MARGIN:  # the rounding alone would pass the trained context
+            n_ctx = n_ctx_train
     elif n_ctx < need:
         raise ValueError(f"n_ctx={n_ctx} is too small: the longest prompt needs {need} cells")
 
@@ -654,8 +687,9 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
         _check_same_rule(existing, model_id, page_gate, out)
 
     t_start = time.perf_counter()
-    with Engine(path, n_ctx=n_ctx, budget=0.5, evictor="snapkv", gate="never", threads=threads,
-                seed=seed) as eng:
+    # a computed n_ctx may pass the trained context by its margin only: positions stay <= need (checked above)
+    with Engine(path, n_ctx=n_ctx, budget=0.5, evictor="snapkv", gate="never", threads=threads, seed=seed,
+                n_gpu_layers=n_gpu_layers, allow_long_context=allow_long_context or auto_ctx) as eng:
         result["profile"] = None if page_gate.profile is None else dict(
             mu=page_gate.profile.mu, sigma=page_gate.profile.sigma, n_pilot=page_gate.profile.n_pilot)
         result["profile_warning"] = page_gate.warning

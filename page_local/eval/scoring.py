@@ -1,4 +1,4 @@
-"""RULER scoring (NVIDIA/RULER `scripts/eval/synthetic/constants.py`, `evaluate.py`; spec §6.1).
+"""RULER scoring (NVIDIA/RULER `scripts/eval/synthetic/constants.py`, `evaluate.py`; docs/algorithms.md §6.1).
 
 A prediction is stripped, every control character [\\x00-\\x1f] becomes a newline, and it is
 stripped again (`normalize_prediction`). A reference counts when it is a case-insensitive substring

@@ -1,4 +1,4 @@
-"""RULER synthetic tasks generated locally with no external data (NVIDIA/RULER; spec/algorithms.md §6).
+"""RULER synthetic tasks generated locally with no external data (NVIDIA/RULER; docs/algorithms.md §6).
 
 A task instance is a pure function of (task, index, seed, target length): every sample draws from
 its own RNG, seeded from those values, so `generate(t, 10, ...)[3]` equals `generate(t, 1, ...,
@@ -31,7 +31,7 @@ deterministic pronounceable pseudo-words (CV CV CV; RULER falls back to a bundle
 
 Other deviations, all whitespace or wording: `Sample.text()` joins context and question with a
 blank line (RULER: one newline); the vt example is separated from the task by one blank line; the
-vt answer prefix says "assigned" as spec §6 does (RULER's constants.py has the typo "assgined").
+vt answer prefix says "assigned" as docs/algorithms.md §6.3 does (RULER's constants.py has the typo "assgined").
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ write yawn yodel zoom
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
-# --- RULER templates (spec/algorithms.md §6) ---------------------------------------------------
+# --- RULER templates (docs/algorithms.md §6) ---------------------------------------------------
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
@@ -161,7 +161,7 @@ ANSWER_PATTERNS = {
     "qa": re.compile(r"Answer:"),
 }
 FAMILY_MAX_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32, "prose": 64}
-UUID_MIN_NEW_TOKENS = 48  # a UUID is 33-36 SmolLM2 tokens (DESIGN.md, practicalities)
+UUID_MIN_NEW_TOKENS = 48  # a UUID is 33-36 SmolLM2 tokens (docs/design.md §10, practicalities)
 ZIPF_ALPHA = 2.0
 ZETA_2 = math.pi ** 2 / 6  # zeta(ALPHA) for alpha = 2
 CWE_SMALL_BELOW = 4096  # RULER switches cwe to 6/1 repetitions below this max_seq_length

@@ -2,7 +2,7 @@
 
 An evictor turns the signals of one prompt into ONE keep set of token positions: in llama.cpp a KV
 cell is shared by every layer and head, so per-(layer, head) scores must be reduced to one score
-per position first (spec/algorithms.md §0.2). Evictors are pure functions of numpy arrays.
+per position first (docs/algorithms.md §0.2). Evictors are pure functions of numpy arrays.
 
 Contract of `select(inp) -> i32 (B,)`: the kept positions, sorted ascending, unique, a subset of
 `inp.held`; exactly `inp.budget` of them when T > B (all of `held` when T <= B); the protected

@@ -3,7 +3,7 @@ Models", arXiv 2306.14048).
 
 Heavy hitters = positions with the largest attention accumulated over ALL prompt queries
 (column sums during prefill, head-mean, then mean over layers). The keep set is the H2O 50/50 split
-(spec/algorithms.md §2.2): n_sink sinks + the most recent floor((B - n_sink) / 2) held positions
+(docs/algorithms.md §2.2): n_sink sinks + the most recent floor((B - n_sink) / 2) held positions
 (never fewer than the window, which is always kept) + heavy hitters for the rest.
 """
 

@@ -2,7 +2,7 @@
 arXiv 2406.11430): keep the keys with the LOWEST L2 norm.
 
 Key-norm scales differ by layer and head, so the norms are reduced with Z-MEAN
-(spec/algorithms.md §0.2, §2.4): standardize each (layer, kv head) over the evictable positions,
+(docs/algorithms.md §0.2, §2.4): standardize each (layer, kv head) over the evictable positions,
 average, keep the lowest. Sinks and the window are protected (kvpress protects nothing).
 """
 

@@ -2,15 +2,16 @@
 
 The engine runs the lookahead (page_local/lookahead.py: S sampled futures of tau tokens whose
 queries score every prompt position by its leave-one-out deletion cost) and hands the result to
-`select` as `inp.lookahead`; this class only aggregates it (spec/algorithms.md §4.4):
+`select` as `inp.lookahead`; this class only aggregates it (docs/algorithms.md §4.4):
 
     U(p) = sum_s w_s * (1/tau_s) sum_t sum_l sum_h c(l, h, s, t, p)
 
 Weights: "uniform" (w_s = 1/S, the default) or "trajectory": w_s = softmax_s(beta * (lp_s - mean lp)
 - eta * (H_s - mean H)) with lp_s the future's mean token log-prob and H_s its mean entropy (the
-spec's proposal; beta = 1, eta = 0 by default). layer_norm=True divides each layer's cost by its mean
-over positions before the sum. Sinks and the probe window are protected like SnapKV's; futures never
-count against the budget. A future that produced no token (end-of-generation first) has weight 0.
+proposal in docs/algorithms.md §4.4; beta = 1, eta = 0 by default). layer_norm=True divides each
+layer's cost by its mean over positions before the sum. Sinks and the probe window are protected like
+SnapKV's; futures never count against the budget. A future that produced no token (end-of-generation
+first) has weight 0.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
 Funneling", arXiv 2406.02069): lower layers get larger budgets than upper layers.
 
-A per-layer budget cannot be realised when one KV cell serves every layer, so (spec/algorithms.md
+A per-layer budget cannot be realised when one KV cell serves every layer, so (docs/algorithms.md
 §0.2, §2.5) the per-layer SnapKV scores are combined into one order:
 
 * reduce="rankunion" (default): with K = B - |protected| slots and the linear schedule b_l

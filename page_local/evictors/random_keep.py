@@ -1,6 +1,6 @@
 """Random keep: protected positions + a uniform sample without replacement of the rest.
 
-The prompt-compression baseline of spec/algorithms.md §3.3 (cf. Random Attention, arXiv 2609.03430,
+The prompt-compression baseline of docs/algorithms.md §3.3 (cf. Random Attention, arXiv 2609.03430,
 and kvpress's RandomPress). One sample shared by all layers and heads; deterministic for a seed.
 """
 

@@ -2,7 +2,7 @@
 
 Score of a position = attention it receives from the last W prompt queries (the observation
 window), mean over window queries, query heads and layers: the shared-cell MEAN reduction, which is
-exactly PAGE's shared-mask SnapKV (spec/algorithms.md §1.3, §5.3). No pooling by default (PAGE);
+exactly PAGE's shared-mask SnapKV (docs/algorithms.md §1.3, §5.3). No pooling by default (PAGE);
 `pool="avg"|"max"` with an odd `kernel` smooths the mean score along positions, as the original does
 per head, over the non-window positions only (SnapKV pools the prefix).
 """

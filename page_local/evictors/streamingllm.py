@@ -1,7 +1,7 @@
 """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453).
 
 Keep the n_sink attention sinks and the most recent B - n_sink held positions (the budget-filling
-definition of kvpress's StreamingLLMPress, spec/algorithms.md §2.1). Positions are not re-indexed.
+definition of kvpress's StreamingLLMPress, docs/algorithms.md §2.1). Positions are not re-indexed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """TOVA (Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104).
 
 Score = attention of the LAST prompt token (a window of one query), mean over heads then layers
-(spec/algorithms.md §2.3). The last held position is forced kept, as in kvpress's TOVAPress; sinks
+(docs/algorithms.md §2.3). The last held position is forced kept, as in kvpress's TOVAPress; sinks
 and the window are protected as for every evictor here. Prefill-time only.
 """
 

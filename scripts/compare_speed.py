@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Prefill and decode speed of two builds of the patched library, same prompt, alternated.
+"""Prefill and decode speed of two builds of the library, or of two models, same prompt, alternated.
 
-    python scripts/compare_builds.py DIR_A DIR_B [--rounds 5] [--tokens 2048] [--model M]
+    python scripts/compare_speed.py --lib-dirs DIR_A DIR_B [--model M] [--rounds 5] [--tokens 2048]
+    python scripts/compare_speed.py --models MODEL_A MODEL_B [--rounds 5] [--tokens 2048]
 
-Each DIR holds a libllama (e.g. build/bin of two build trees). One process per run (a process
-holds one libllama): `page-local bench decode --repeats 1 --json` with PAGE_LOCAL_LIB_DIR set,
-A and B alternated so that drift on the machine hits both alike. Prints the medians and B/A.
+A DIR holds a libllama (e.g. build/bin of two build trees); a MODEL is a GGUF path or a name from
+`page-local models`. One process per run (a process holds one libllama): `page-local bench decode
+--repeats 1 --json`, A and B alternated so that drift on the machine hits both alike. Prints the
+medians and B/A.
 Run it alone: with 2 threads on 2 cores any other busy process ruins llama.cpp's timings.
 """
 
@@ -20,24 +22,27 @@ import subprocess
 import sys
 
 
-def one_run(lib_dir: str, args) -> dict:
+def one_run(lib_dir: str | None, model: str | None, args) -> dict:
     exe = shutil.which("page-local") or os.path.join(os.path.dirname(sys.executable), "page-local")
     cmd = [exe, "bench", "decode", "--tokens", str(args.tokens), "--new-tokens", str(args.new_tokens),
            "--repeats", "1", "--threads", str(args.threads), "--json"]
-    if args.model:
-        cmd += ["--model", args.model]
-    env = dict(os.environ, PAGE_LOCAL_LIB_DIR=os.path.abspath(lib_dir))
+    if model:
+        cmd += ["--model", model]
+    env = dict(os.environ)
+    if lib_dir:
+        env["PAGE_LOCAL_LIB_DIR"] = os.path.abspath(lib_dir)
     env.pop("LLAMA_CPP_LIB_PATH", None)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} with PAGE_LOCAL_LIB_DIR={lib_dir} failed:\n{r.stderr[-2000:]}")
+        sys.exit(f"{' '.join(cmd)} (library {lib_dir or 'default'}) failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("a")
-    ap.add_argument("b")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--lib-dirs", nargs=2, metavar=("DIR_A", "DIR_B"))
+    what.add_argument("--models", nargs=2, metavar=("MODEL_A", "MODEL_B"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -45,12 +50,17 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    pair = args.lib_dirs or args.models
     runs: dict[str, list[dict]] = {"a": [], "b": []}
     for i in range(2 * args.rounds):
         which = "ab"[i % 2]
-        runs[which].append(one_run(getattr(args, which), args))
+        item = pair[i % 2]
+        if args.lib_dirs:
+            runs[which].append(one_run(item, args.model, args))
+        else:
+            runs[which].append(one_run(None, item, args))
     out = {"tokens": args.tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,
-           "a": args.a, "b": args.b}
+           "a": pair[0], "b": pair[1]}
     for which in "ab":
         pre = [args.tokens / r["prefill_s"] for r in runs[which]]
         dec = [r["full_tok_s"] for r in runs[which]]
@@ -64,8 +74,8 @@ def main() -> None:
         print(json.dumps(out))
     else:
         print(f"{args.tokens}-token prompt, {args.rounds} alternated runs each, medians")
-        print(f"  A {args.a}: prefill {out['a_prefill_tok_s']} tok/s, decode {out['a_decode_tok_s']} tok/s")
-        print(f"  B {args.b}: prefill {out['b_prefill_tok_s']} tok/s, decode {out['b_decode_tok_s']} tok/s")
+        print(f"  A {pair[0]}: prefill {out['a_prefill_tok_s']} tok/s, decode {out['a_decode_tok_s']} tok/s")
+        print(f"  B {pair[1]}: prefill {out['b_prefill_tok_s']} tok/s, decode {out['b_decode_tok_s']} tok/s")
         print(f"  B/A: prefill {out['prefill_ratio_b_over_a']}x, decode {out['decode_ratio_b_over_a']}x")
 
 

@@ -1,0 +1,146 @@
+"""Compare self-verification rules post hoc on the rows of one `eval run` (verify.verify_score on each
+row's per-token trace: verify_loss, verify_changed, verify_end).
+
+A run made with --verify-m C holds each candidate's trace over the full cache's answer up to its end or
+C tokens, so any rule, threshold and cap c <= C can be re-decided without decoding again. The answer a
+committed eviction gives is the full cache's when the whole answer was checked; past the cap it is the
+checked tokens plus the candidate's continuation, known from the rows only at the run's own cap (else
+counted as `unknown`). --old FILE adds the rows of a run made before verify.py (mean over m = 16) for
+the same samples, read as they are.
+
+    python -m page_local.eval.verify_rules results/x.jsonl --old docs/results-smollm2-2048/rows.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import numpy as np
+
+from ..verify import verify_score
+from .runner import read_rows
+
+DEFAULT_RULES = ("mean:0.05", "max:0.25", "max:0.5", "max:1.0", "sum:1.0", "argmax:0")
+
+
+def _candidates(rows, evictor: str) -> dict:
+    """(task, index, budget) -> one candidate's row (the plain-evictor row carries the trace), with
+    `same_answer`: the candidate's own greedy answer is the full cache's."""
+    full = {(r["task"], r["index"]): r["prediction"] for r in rows if r.get("gate") == "full"}
+    out = {}
+    for r in rows:
+        if r.get("evictor") == evictor and r.get("gate") == "always" and r.get("verify_loss") is not None:
+            same = r["prediction"] == full.get((r["task"], r["index"]))
+            out[(r["task"], r["index"], r["budget"])] = dict(r, same_answer=same)
+    return out
+
+
+def decide(r: dict, rule: str, threshold: float, cap: int) -> tuple[bool, bool | None]:
+    """(committed, committed answer correct or None if unknown) for one candidate row under a rule."""
+    loss = np.asarray(r["verify_loss"], dtype=np.float64)
+    k = int(r["verify_tokens"] or 0)
+    if k == 0:
+        return False, r["correct_full"]
+    changed = np.zeros(loss.size, dtype=bool)
+    changed[np.asarray(r["verify_changed"], dtype=int)] = True
+    run_cap = int(r["verify_m"])
+    whole = k < cap  # the answer ended before the cap: its trace (with the end) is the same
+    n = loss.size if whole else cap
+    v = verify_score(loss[:n], np.zeros(n), changed[:n], rule=rule, threshold=threshold)
+    committed = v.passed and bool(r["evicted"])
+    if not committed:
+        return False, r["correct_full"]
+    if whole:
+        return True, r["correct_full"]
+    if cap == run_cap:
+        return True, r.get("correct_committed")
+    return True, None
+
+
+def table(rows, old_rows=None, rules=DEFAULT_RULES, caps=(64,), evictor: str = "snapkv") -> list[dict]:
+    cands = _candidates(rows, evictor)
+    budgets = sorted({k[2] for k in cands}, reverse=True)
+    out = []
+    specs = [(f"{rs} cap {c}", rs.split(":")[0], float(rs.split(":")[1]), c) for c in caps for rs in rules]
+    old = {}
+    if old_rows:
+        for r in old_rows:
+            if r.get("evictor") == evictor and r.get("gate") == "verify":
+                old[(r["task"], r["index"], r["budget"])] = r
+    for b in budgets:
+        keys = [k for k in cands if k[2] == b]
+        T = {k: cands[k]["T"] for k in keys}
+        kept = {k: cands[k]["kept"] for k in keys}  # the always row: the candidate's kept
+        right = [k for k in keys if cands[k]["correct_full"]]
+        # the old rule: mean over the first 16 tokens (end not checked) <= 0.05; decided from the trace
+        # (it reproduces the old rows' delta_self); the committed answer's correctness from the old rows
+        dec = {}
+        for k in keys:
+            r = cands[k]
+            n16 = min(int(r["verify_tokens"] or 0), 16)
+            loss = np.asarray(r["verify_loss"][:n16], dtype=np.float64)
+            passed = n16 > 0 and verify_score(loss, np.zeros(n16), rule="mean", threshold=0.05).passed
+            com = passed and bool(r["evicted"])
+            if not com or r["verify_tokens"] < 16:
+                dec[k] = (com, r["correct_full"])
+            else:
+                o = old.get(k)
+                dec[k] = (com, None if o is None else bool(o["correct"]))
+        out.append(_line(b, "mean:0.05 first 16 (old)", keys, right, dec, cands, T, kept))
+        for label, rule, thr, cap in specs:
+            dec = {k: decide(cands[k], rule, thr, cap) for k in keys}
+            out.append(_line(b, label, keys, right, dec, cands, T, kept))
+    return out
+
+
+def _line(b, label, keys, right, dec, cands, T, kept) -> dict:
+    return dict(
+        budget=b, rule=label, n=len(keys), right=len(right),
+        lost=sum(dec[k][0] and dec[k][1] is False for k in right),
+        unknown=sum(dec[k][0] and dec[k][1] is None for k in right),
+        cand_wrong=sum(dec[k][0] and not cands[k]["correct_candidate"] for k in right),
+        dnll_harm=sum(dec[k][0] and cands[k]["delta_nll_candidate"] > 1 for k in keys),
+        answer_changed=sum(dec[k][0] and not cands[k]["same_answer"] for k in keys),
+        evicted=float(np.mean([dec[k][0] for k in keys])),
+        compression=float(np.mean([T[k] / kept[k] if dec[k][0] else 1.0 for k in keys])))
+
+
+def by_task(rows, rule: str, threshold: float, cap: int, evictor: str = "snapkv") -> dict:
+    """task -> (committed pairs, pairs) under one rule, for the per-task open rates."""
+    cands = _candidates(rows, evictor)
+    acc = defaultdict(lambda: [0, 0])
+    for k, r in cands.items():
+        acc[k[0]][0] += decide(r, rule, threshold, cap)[0]
+        acc[k[0]][1] += 1
+    return dict(acc)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rows")
+    ap.add_argument("--old", default=None, help="rows of a run made before verify.py (mean over 16 tokens)")
+    ap.add_argument("--rules", default=",".join(DEFAULT_RULES), help="rule:threshold,...")
+    ap.add_argument("--caps", default="64", help="comma-separated caps (each <= the run's --verify-m)")
+    ap.add_argument("--evictor", default="snapkv")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = read_rows(a.rows)
+    samples = {(r["task"], r["index"]) for r in rows}
+    old = [r for r in read_rows(a.old) if (r["task"], r["index"]) in samples] if a.old else None
+    t = table(rows, old, rules=a.rules.split(","), caps=[int(c) for c in a.caps.split(",")], evictor=a.evictor)
+    if a.json:
+        print(json.dumps(t))
+        return
+    print("| budget | rule | correct answers lost (of right w/ full) | committed, candidate's own answer wrong | "
+          "committed, candidate's answer ≠ full's | committed, ΔNLL > 1 | evicted | T/kept |")
+    print("|---|---|---|---|---|---|---|---|")
+    for x in t:
+        unk = f" (+{x['unknown']} unknown)" if x["unknown"] else ""
+        print(f"| {x['budget']} | {x['rule']} | {x['lost']}/{x['right']}{unk} | {x['cand_wrong']} | "
+              f"{x['answer_changed']} | {x['dnll_harm']}/{x['n']} | {x['evicted']:.2f} | {x['compression']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
