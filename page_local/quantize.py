@@ -12,7 +12,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from . import native
+from . import llama_log, native
 
 # llama_ftype values (llama.h)
 FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "f16": 1}
@@ -25,6 +25,7 @@ def requantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, threa
     if ftype not in FTYPES:
         raise ValueError(f"unknown quantization {ftype!r}; known: {', '.join(FTYPES)}")
     lc = native.llama_cpp()
+    llama_log.install()  # the quantizer's per-tensor lines are INFO: not shown unless PAGE_LOCAL_VERBOSE
     params = lc.llama_model_quantize_default_params()
     params.ftype = FTYPES[ftype]
     params.allow_requantize = True  # the source is already quantized (Q4_1 -> Q8_0 keeps its values)
