@@ -188,7 +188,7 @@ def _needle_prompt(model, tokens: int) -> str:
 
 
 def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP, repeats: int = 3,
-                threads: int = 2, prompt: str = "needle") -> dict:
+                threads: int = 2, prompt: str = "needle", n_gpu_layers: int | str | None = None) -> dict:
     """Cost of self-verified eviction (Engine._verify, scored by verify.verify_score): the extra batch
     decode of the answer (up to its end or m tokens; `m_checked` says how many) over the evicted copy,
     as a fraction of the prefill, on a prompt of about `tokens` tokens (median of repeats): "needle"
@@ -200,7 +200,7 @@ def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP,
         raise ValueError(f"prompt must be 'needle' or 'random', got {prompt!r}")
     ratios, verify_ms, prefill_ms, checked = [], [], [], []
     with Engine(model_path, n_ctx=tokens + m + 256, budget=budget, gate="verify", threads=threads,
-                verify_tokens=m, verify_threshold=1e9) as eng:
+                verify_tokens=m, verify_threshold=1e9, n_gpu_layers=n_gpu_layers, allow_long_context=True) as eng:
         prompt = (_needle_prompt(eng.model, tokens) if prompt == "needle" else
                   np.random.default_rng(0).integers(100, 4000, size=tokens).tolist())
         for _ in range(repeats):
@@ -211,10 +211,11 @@ def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP,
             prefill_ms.append(d.prefill_ms)
             checked.append(d.verify_m)
             ratios.append(d.verify_ms / d.prefill_ms)
+        device = eng.placement
     return {"bench": "verify", "tokens": d.T, "m": m, "m_checked": int(statistics.median(checked)),
             "rule": d.verify_rule, "budget": budget, "threads": threads, "repeats": repeats,
             "verify_ms": round(statistics.median(verify_ms), 2), "prefill_ms": round(statistics.median(prefill_ms), 1),
-            "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05}
+            "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05, "device": device}
 
 
 def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 4, lookahead_tokens: int = 32,

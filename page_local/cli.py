@@ -165,13 +165,14 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_laye
 @click.option("--prompt", "prompt", default="needle", show_default=True, type=click.Choice(["needle", "random"]),
               help="needle: a short answer (the check ends with it); random: random tokens, the check runs to --m.")
 @_threads_option
+@n_gpu_layers_option
 @_json_option
-def bench_verify(model, tokens, m, repeats, prompt, threads, as_json):
+def bench_verify(model, tokens, m, repeats, prompt, threads, n_gpu_layers, as_json):
     """Self-verification's extra decode as a fraction of the prefill (target <= 0.05)."""
     from .bench import verify_cost
 
     _bench(as_json, lambda: verify_cost(resolve_model(model), tokens=tokens, m=m, repeats=repeats, threads=threads,
-                                        prompt=prompt),
+                                        prompt=prompt, n_gpu_layers=n_gpu_layers),
            lambda r: f"{r['tokens']}-token prompt: verification of {r['m_checked']} tokens {r['verify_ms']:.1f} ms, prefill "
                      f"{r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {repeats})")
 

@@ -113,6 +113,18 @@ def test_bench_decode_json(cli):
     assert out["full_tok_s"] > 0 and out["evicted_tok_s"] > 0 and out["gate_ms"] > 0
 
 
+def test_bench_verify_json(cli):
+    """bench verify at a tiny size: the check ran on the evicted copy, on the device asked for."""
+    res = cli("bench", "verify", "--tokens", "512", "--m", "16", "--repeats", "1", "--threads", "1",
+              "--n-gpu-layers", "0", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["bench"] == "verify" and out["rule"] == "argmax" and 1 <= out["m_checked"] <= 16
+    assert out["verify_ms"] > 0 and out["prefill_ms"] > 0 and out["tokens"] > 256
+    assert out["device"]["layers"] == "CPU" and out["device"]["gpu_layers"] == 0
+    one_line_error(cli("bench", "verify", "--n-gpu-layers", "x"), 2, "--n-gpu-layers")
+
+
 def test_bench_decode_bad_input(cli):
     one_line_error(cli("bench", "decode", "--tokens", "100", "--budget", "1.0", "--threads", "1"), 2, "nothing to evict")
     one_line_error(cli("bench", "decode", "--budget", "2"), 2, "--budget")
