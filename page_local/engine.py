@@ -33,8 +33,8 @@ from .evictors import get_evictor
 from .evictors.base import EvictionInput, resolve_budget
 from .lookahead import MAX_FUTURES, Lookahead, log_softmax, run_lookahead
 from .probe import ProbeResult
-from .runtime import Context, ContextConfig, Model, parse_n_gpu_layers
-from .verify import VERIFY_CAP, VERIFY_RULE, check_rule, verify_score
+from .runtime import Context, ContextConfig, Model
+from .verify import VERIFY_CAP, VERIFY_RULE, check_rule, top_token, verify_score
 
 W = 32
 TOP_K = 32
@@ -159,7 +159,7 @@ class Engine:
         self._evictor = _supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = _check_gate_mode(gate)  # validates the mode before loading anything
         # n_gpu_layers: a count, 'all', or None = $PAGE_LOCAL_N_GPU_LAYERS, else all on a GPU build, else 0
-        n_gpu_layers = None if n_gpu_layers is None else parse_n_gpu_layers(n_gpu_layers)
+        # (Model validates it before loading anything)
         self.seed = seed
         self._lock = threading.Lock()
         self.model = Model(path, n_gpu_layers=n_gpu_layers)
@@ -352,8 +352,8 @@ class Engine:
         lp_full = lp_full[:k]
         full = np.array([lp[t] for lp, t in zip(lp_full, y)], dtype=np.float64)
         ev = np.array([lp[t] for lp, t in zip(lp_ev, y)], dtype=np.float64)
-        top_f = [self._top(lp) for lp in lp_full]
-        top_e = [self._top(lp) for lp in lp_ev]
+        top_f = [top_token(lp, self.model.is_eog) for lp in lp_full]
+        top_e = [top_token(lp, self.model.is_eog) for lp in lp_ev]
         changed = np.array([a != b for a, b in zip(top_f, top_e)], dtype=bool)
         v = verify_score(full, ev, changed, rule=self.verify_rule, threshold=self.verify_threshold)
         p0 = np.exp(lp_full[0].astype(np.float64))
@@ -386,11 +386,6 @@ class Engine:
                 "length": f"all {m} tokens generated"}[until]
         dec.reason += (f"; self-verification over {span}: {v.describe()}, "
                        + ("eviction committed" if commit else "kept the full cache"))
-
-    def _top(self, lp: np.ndarray) -> int:
-        """The top token of a distribution; every end-of-generation token counts as the same one (-1)."""
-        t = int(np.argmax(lp))
-        return -1 if self.model.is_eog(t) else t
 
     def _compact(self) -> None:
         """Move the sequence's cells down after eviction: llama.cpp attends over every cell up to the

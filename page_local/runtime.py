@@ -130,10 +130,8 @@ class Model:
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | str | None = None):
         """n_gpu_layers: layers to offload to the GPU, 'all' (or -1), or None for the default
         (default_n_gpu_layers(): $PAGE_LOCAL_N_GPU_LAYERS, else all on a GPU build, else 0)."""
-        n_gpu = None if n_gpu_layers is None else parse_n_gpu_layers(n_gpu_layers)
+        n_gpu = default_n_gpu_layers() if n_gpu_layers is None else parse_n_gpu_layers(n_gpu_layers)
         self.path = check_gguf(path)
-        if n_gpu is None:
-            n_gpu = default_n_gpu_layers()
         lc = native.llama_cpp()
         from llama_cpp import _internals
 

@@ -83,6 +83,13 @@ def check_rule(rule: str, threshold: float | None = None) -> tuple[str, float]:
     return rule, float(threshold)
 
 
+def top_token(scores, is_eog) -> int:
+    """The top token of logits or log-probs; every end-of-generation token counts as one (-1), so two
+    caches that both end the answer agree even when they pick different end tokens."""
+    t = int(np.argmax(scores))
+    return -1 if is_eog(t) else t
+
+
 def verify_score(lp_full, lp_evicted, changed=None, rule: str = VERIFY_RULE,
                  threshold: float | None = None) -> VerifyScore:
     """Decide self-verification from per-position arrays of equal length k:

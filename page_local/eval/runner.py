@@ -53,7 +53,7 @@ import numpy as np
 from . import scoring
 from ..chat_template import ChatTemplate
 from ..lookahead import log_softmax
-from ..verify import VERIFY_CAP, VERIFY_RULE, RULES, verify_score
+from ..verify import VERIFY_CAP, VERIFY_RULE, RULES, top_token, verify_score
 from .readers import read_samples
 from .tasks import Sample, generate, get_task
 
@@ -381,11 +381,10 @@ class _Run:
         lp_full = np.asarray(self.full_logp[: k + int(end)], dtype=np.float64)
         outs = _decode_all(ctx, y, n, 1)  # outs[i] = distribution after y[:i+1]
         ev_logits = [first] + outs[: k - 1] + ([outs[k - 1]] if end else [])
-        top = lambda lg: -1 if self.model.is_eog(t := int(np.argmax(lg))) else t  # noqa: E731
         y_pos = list(y) + ([self.full_eog] if end else [])
         top_full = list(y) + ([-1] if end else [])  # greedy: the full cache's token is its top token
         lp_ev = np.asarray([_logp(lg, t) for lg, t in zip(ev_logits, y_pos)], dtype=np.float64)
-        changed = np.array([top(lg) != t for lg, t in zip(ev_logits, top_full)], dtype=bool)
+        changed = np.array([top_token(lg, self.model.is_eog) != t for lg, t in zip(ev_logits, top_full)], dtype=bool)
         v = verify_score(lp_full, lp_ev, changed, rule=VERIFY_RULE)
         c.delta_self, c.verify_score, c.verify_open = v.mean, v.score, v.passed
         c.verify_m, c.verify_end = k, bool(end)
