@@ -1,0 +1,81 @@
+"""The evaluation is exact: re-running a committed results file's samples reproduces its rows.
+
+tests/fixtures/eval-rows.jsonl was written by `page-local eval run` (commands below) on SmolLM2 before
+the turn pipeline was shared by the engine and the runner; every row must come out again field for
+field (timings aside). This pins the whole turn: prefill, probe, D, gate, every evictor's signals,
+eviction into a candidate sequence, teacher forcing, greedy answers and self-verification.
+
+    page-local eval run --tasks niah_single_1,niah_multivalue --n 1 --length 768 --budgets 0.25 \
+        --evictors snapkv,h2o,lorekv,tova,knorm --gates always,page,verify,page+verify --out F
+    page-local eval run --tasks niah_multikey_2 --n 1 --length 768 --budgets 0.5,48 \
+        --evictors snapkv,pyramidkv,random,streamingllm --gates always,verify --query-agnostic --out F
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from page_local.eval.runner import read_rows, run_eval
+
+FIXTURE = Path(__file__).parent / "fixtures" / "eval-rows.jsonl"
+# Floats are compared to 1e-5 relative: the same build on another x86 family may sum in another order.
+REL = 1e-5
+
+
+def _runs(rows: list[dict]) -> list[dict]:
+    """The eval runs that wrote the fixture: one per (query_agnostic, length, seed, verify_m)."""
+    runs: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["query_agnostic"], r["length_target"], r["seed"], r["verify_m"])
+        run = runs.setdefault(key, dict(tasks=[], evictors=[], budgets=[], gates=[]))
+        for field, value in (("tasks", r["task"]), ("evictors", r["evictor"]), ("budgets", r["budget"]),
+                             ("gates", r["gate"])):
+            if value is not None and value != "full" and value not in run[field]:
+                run[field].append(value)
+    return [dict(v, query_agnostic=k[0], length=k[1], seed=k[2], verify_m=k[3]) for k, v in runs.items()]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b, rel_tol=REL, abs_tol=1e-9)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_rerun_reproduces_the_committed_rows(tmp_path):
+    want = read_rows(FIXTURE)
+    assert len(want) == 59, "the fixture holds 3 samples' rows"
+    for run in _runs(want):
+        run_eval(tasks=run["tasks"], n=1, length=run["length"], budgets=run["budgets"], evictors=run["evictors"],
+                 gates=run["gates"], seed=run["seed"], verify_m=run["verify_m"],
+                 query_agnostic=run["query_agnostic"], out=tmp_path / "rows.jsonl")
+    got = read_rows(tmp_path / "rows.jsonl")
+    key = lambda r: (r["task"], r["index"], str(r["evictor"]), json.dumps(r["budget"]), r["gate"])  # noqa: E731
+    assert sorted(map(key, got)) == sorted(map(key, want))
+    got_by = {key(r): r for r in got}
+    for w in want:
+        g = got_by[key(w)]
+        assert g.keys() == w.keys(), key(w)
+        diff = {f: (w[f], g[f]) for f in w if f != "timings" and not _same(w[f], g[f])}
+        assert not diff, f"{key(w)}: {diff}"
+
+
+@pytest.mark.parametrize("field", ["prediction", "verify_loss", "D"])
+def test_the_comparison_can_fail(field):
+    """The comparison above is not vacuous: a changed field is a difference."""
+    row = read_rows(FIXTURE)[1]
+    other = dict(row)
+    if field == "prediction":
+        other[field] = row[field] + "x"
+    elif field == "verify_loss":
+        other[field] = [x + 1e-3 for x in row[field]] if row[field] else [0.5]
+    else:
+        other[field] = row[field] * (1 + 1e-3)
+    assert not _same(row[field], other[field])
