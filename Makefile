@@ -36,11 +36,20 @@ NATIVE_SRC := pyproject.toml CMakeLists.txt csrc/UPSTREAM csrc/upstream.patch \
 PIP_E := $(BIN)/pip install -q --no-build-isolation \
          -Ccmake.define.PAGE_BACKEND=$(BACKEND) -Ccmake.define.PAGE_CACHE_DIR=$(CACHE) \
          -Cbuild.tool-args=-j$(JOBS)
-$(VENV)/.stamp-page-local: $(NATIVE_SRC) $(VENV)/.stamp-venv $(VENV)/.backend-$(BACKEND)
+$(VENV)/.stamp-page-local: $(NATIVE_SRC) $(VENV)/.stamp-venv $(VENV)/.backend-$(BACKEND) $(VENV)/.py-modules
 	@# a venv made before llama_cpp came with page-local holds llama-cpp-python's own copy
 	$(BIN)/pip uninstall -q -y llama-cpp-python 2>/dev/null || true
 	$(PIP_E) -e ".[test]"
 	touch $@
+
+# The editable install maps each module of page_local/ to its file when it is made: a module added,
+# moved or removed needs it made again (an edit inside a module does not). The list of modules is
+# rewritten only when it changes, so its date moves only then.
+$(VENV)/.py-modules: FORCE | $(VENV)/.stamp-venv
+	@find page_local -name '*.py' | LC_ALL=C sort > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+FORCE:
 
 # BACKEND switches (cpu, cuda, metal) force the install above to run again
 $(VENV)/.backend-$(BACKEND): | $(VENV)/.stamp-venv

@@ -106,7 +106,7 @@ def _import_llama_cpp(path: Path) -> ModuleType:
     if loaded is None or not _same_file(loaded, path):
         raise LibraryMismatch(
             f"llama_cpp was already imported with {loaded}, not page-local's patched library {path}. "
-            "Import page_local (or call page_local.native.load()) before llama_cpp, or set "
+            "Import page_local (or call page_local.native.pageops.load()) before llama_cpp, or set "
             f"LLAMA_CPP_LIB_PATH={path.parent} before starting Python."
         )
     import llama_cpp  # noqa: PLC0415

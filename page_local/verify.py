@@ -11,8 +11,9 @@ token): the candidate must also end the answer there.
 
 `verify_score` turns these into a pass/fail under one rule. Every rule except the legacy "mean" is
 monotone in the span: appending positions never lowers the score, so a longer check can only refuse
-more (a mean per token dilutes: a hard digit among many easy tokens passes). Engine._verify, the
-evaluation runner and `bench verify` all decide through this function.
+more (a mean per token dilutes: a hard digit among many easy tokens passes). The engine, the
+evaluation runner and `bench verify` all decide through this function (engine/turn.py
+Pipeline.verify_span).
 """
 
 from __future__ import annotations
@@ -81,6 +82,26 @@ def check_rule(rule: str, threshold: float | None = None) -> tuple[str, float]:
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
         raise ValueError(f"verify threshold must be a number >= 0, got {threshold!r}")
     return rule, float(threshold)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """f64 log-probabilities of a logits vector (every log-prob page-local compares is computed here)."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def logp(logits: np.ndarray, tok: int) -> float:
+    """log p(tok) under a logits vector, in f64 (the same value as log_softmax(logits)[tok])."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    return float(x[tok] - m - math.log(np.exp(x - m).sum()))
+
+
+def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """KL(p || q) in nats between the distributions of two logits vectors."""
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    return float(np.sum(np.exp(lp) * (lp - lq)))
 
 
 def top_token(scores, is_eog) -> int:

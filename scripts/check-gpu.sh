@@ -66,8 +66,8 @@ unset PAGE_LOCAL_VERBOSE
 step "device"
 python - <<'EOF' || die "the CUDA build does not offload (see above)" 1
 import sys
-from page_local import models
-from page_local.runtime import Context, ContextConfig, Model, gpu_devices, supports_gpu_offload
+from page_local.store import models
+from page_local.native.runtime import Context, ContextConfig, Model, gpu_devices, supports_gpu_offload
 if not supports_gpu_offload() or not gpu_devices():
     sys.exit("llama_supports_gpu_offload() is false or no GPU device is listed: the library sees no CUDA device")
 print("GPU devices:", "; ".join(gpu_devices()))

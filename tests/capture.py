@@ -6,7 +6,7 @@ import ctypes
 
 import numpy as np
 
-from page_local import native
+from page_local.native import pageops as native
 
 
 class _Tensor(ctypes.Structure):  # the stable head of struct ggml_tensor (ggml.h)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from page_local import models
+from page_local.store import models
 from page_local.cli import main
-from page_local.runtime import Context, ContextConfig, Model
+from page_local.native.runtime import Context, ContextConfig, Model
 
 
 @pytest.fixture(scope="session")

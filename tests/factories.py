@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from page_local.lookahead import Lookahead
+from page_local.engine.lookahead import Lookahead
 
 from page_local.evictors.base import EvictionInput
 from page_local.probe import ProbeResult

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import one_line_error
-from page_local.bench_peer import PEER_MODULES
+from page_local.bench.peer import PEER_MODULES
 
 
 @pytest.mark.parametrize("hidden", [PEER_MODULES, ("kvpress",)], ids=["no-extra", "no-kvpress"])

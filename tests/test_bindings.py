@@ -33,7 +33,7 @@ def test_cdef_mirrors_header():
 
 
 def test_every_declared_function_is_exported():
-    from page_local.native import load
+    from page_local.native.pageops import load
 
     ffi, lib, _ = load()
     for name in re.findall(r"(llama_page_\w+)\s*\(", CDEF):

@@ -28,8 +28,8 @@ def tiny(tmp_path: Path, template: str | None) -> Path:
 
 
 def test_render_drops_the_bos_text_llama_cpp_adds_itself(tmp_path):
-    from page_local.chat_template import ChatTemplate
-    from page_local.runtime import Model
+    from page_local.chat.template import ChatTemplate
+    from page_local.native.runtime import Model
 
     with Model(tiny(tmp_path, GOOD)) as m:
         t = ChatTemplate(m, fallback="use run")
@@ -46,8 +46,8 @@ def test_render_drops_the_bos_text_llama_cpp_adds_itself(tmp_path):
     (UNPARSABLE, ["does not parse", "line 1", "endfor", "use run"]),
 ], ids=["missing", "unparsable"])
 def test_a_missing_or_unparsable_template_is_one_clear_error(tmp_path, template, needles):
-    from page_local.chat_template import ChatTemplate, ChatTemplateError
-    from page_local.runtime import Model
+    from page_local.chat.template import ChatTemplate, ChatTemplateError
+    from page_local.native.runtime import Model
 
     with Model(tiny(tmp_path, template)) as m:
         with pytest.raises(ChatTemplateError) as e:
@@ -57,8 +57,8 @@ def test_a_missing_or_unparsable_template_is_one_clear_error(tmp_path, template,
 
 
 def test_a_template_that_fails_on_a_conversation_names_the_roles(tmp_path):
-    from page_local.chat_template import ChatTemplate, ChatTemplateError
-    from page_local.runtime import Model
+    from page_local.chat.template import ChatTemplate, ChatTemplateError
+    from page_local.native.runtime import Model
 
     with Model(tiny(tmp_path, NO_SYSTEM)) as m:
         t = ChatTemplate(m, fallback="use run")
@@ -92,8 +92,8 @@ def test_chat_reports_a_template_failure_and_keeps_the_conversation(tmp_path):
     """A template that rejects the system prompt: the REPL reports it, and nothing is lost."""
     from rich.console import Console
 
-    from page_local.engine import Engine
-    from page_local.repl import Repl
+    from page_local.engine.engine import Engine
+    from page_local.cli.repl import Repl
 
     with Engine(tiny(tmp_path, NO_SYSTEM), n_ctx=256, threads=1, gate="never") as eng:
         out = Console(record=True, width=200)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import struct
 
 import numpy as np
 import pytest
 
-from page_local import models
+from page_local.store import models
 from tests.conftest import one_line_error
 from page_local.gate import RAW_THRESHOLD, Z_THRESHOLD
 
@@ -135,8 +136,8 @@ def test_calibrate_frames_prompts_as_chat_turns_by_default(cli, smollm2_path, tm
     """By default each pilot prompt is measured as a user turn of the model's chat template (as `chat`
     and `eval run` send prompts): its D is what `inspect` reports on that rendered text, not on the
     bare prompt, which --plain measures."""
-    from page_local.calibrate import chat_renderer
-    from page_local.runtime import Model
+    from page_local.eval.calibrate import chat_renderer
+    from page_local.native.runtime import Model
 
     prompts = pilot_prompts(3)
     with Model(smollm2_path) as m:
@@ -211,8 +212,11 @@ def test_inspect_text_and_plot(cli, tmp_path):
     res = cli("inspect", "--prompt-file", prompt_file, "--plot", out, *SMALL)
     assert res.exit_code == 0, res.output
     for needle in ("head agreement by layer", "early third (layers 0-9)", "late third (layers 20-29)",
-                   "D = ", f"threshold: D >= {RAW_THRESHOLD:g} (raw rule)", "decision: ", f"plot: {out}"):
+                   "D = ", f"threshold: D >= {RAW_THRESHOLD:g} (raw rule)", "reason: D = ", f"plot: {out}"):
         assert needle in res.stdout, res.stdout
+    # the verdict as `run --gate page` would decide, in narrate's words
+    assert re.search(r"^decision: (gate open \(D \d\.\d{4} >= 0\.07\): would evict to \d+ of \d+|"
+                     r"gate closed \(D \d\.\d{4} < 0\.07\): full cache of \d+ kept)$", res.stdout, re.M), res.stdout
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     assert b"Matplotlib" in data  # the Software text chunk matplotlib writes

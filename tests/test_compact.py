@@ -19,8 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_model as tm  # noqa: E402
 
-from page_local import native  # noqa: E402
-from page_local.native import UnsupportedModel  # noqa: E402
+from page_local.native import pageops as native  # noqa: E402
+from page_local.native.pageops import UnsupportedModel  # noqa: E402
 from tests.capture import tensor_capture  # noqa: E402
 from tests.conftest import random_tokens  # noqa: E402
 
@@ -103,7 +103,7 @@ def load_state(ctx, data: bytes) -> None:
 def gemma3(tmp_path_factory):
     w = tm.write_tiny_llama(tmp_path_factory.mktemp("compact") / "gemma3.gguf", n_layer=4, n_head=4, n_head_kv=2,
                             sliding_window=32)
-    from page_local.runtime import Model
+    from page_local.native.runtime import Model
 
     with Model(w.path) as m:
         yield m, w.swa_layers

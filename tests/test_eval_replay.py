@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from page_local.eval.runner import read_rows, run_eval
+from page_local.eval.rows import read_rows
+from page_local.eval.runner import run_eval
 
 FIXTURE = Path(__file__).parent / "fixtures" / "eval-rows.jsonl"
 # Floats are compared to 1e-5 relative: the same build on another x86 family may sum in another order.

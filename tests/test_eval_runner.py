@@ -15,8 +15,12 @@ from click.testing import CliRunner
 from page_local.cli import main
 from page_local.eval import metrics
 from page_local.eval.report import write_report
-from page_local.eval.runner import FULL, KEY_FIELDS, ChatPrompter, _Run, read_rows, row_key, run_eval
-from page_local.eval.tasks import generate
+from page_local.chat.prompts import ChatPrompter
+from page_local.eval.rows import FULL, KEY_FIELDS, read_rows, row_key
+from page_local.engine import Engine
+from page_local.eval.runner import _Run, load_samples, run_eval
+from page_local.native.runtime import Model
+from page_local.tasks.synthetic import generate
 from page_local.evictors.base import Evictor
 from page_local.gate import Gate
 from page_local.verify import VERIFY_CAP, verify_score
@@ -110,13 +114,34 @@ def test_every_sample_and_configuration_has_one_complete_row(tiny):
         assert t["prefill_ms"] > 0 and t["gen_ms"] >= 0 and t["nll_ms"] > 0 and t["verify_ms"] > 0
 
 
-def test_the_samples_are_the_task_generators_and_the_gates_share_one_prefill(tiny):
+def test_the_samples_are_the_task_generators(tiny):
     rows = read_rows(tiny[0])
-    per = {}
-    for r in rows:
-        per.setdefault((r["task"], r["index"]), set()).add((r["D"], r["nll_full"], r["correct_full"]))
-    assert sorted(per) == [("niah_single_1", 0), ("niah_single_1", 1), ("vt", 0)]
-    assert all(len(v) == 1 for v in per.values())  # one prefill: D and the full outcome are shared
+    assert sorted({(r["task"], r["index"]) for r in rows}) == [("niah_single_1", 0), ("niah_single_1", 1), ("vt", 0)]
+
+
+def test_every_configuration_of_a_sample_shares_one_prefill_and_the_engine_agrees(smollm2_path, home, tmp_path,
+                                                                                  monkeypatch):
+    """The runner prefills each sample once (turn.Pipeline.prefill is counted), whatever the number of
+    evictors, budgets and gates; and the D it records is the D Engine.measure finds on the same prompt."""
+    from page_local.engine import turn
+
+    calls = []
+    real = turn.Pipeline.prefill
+    monkeypatch.setattr(turn.Pipeline, "prefill", lambda self, toks, *a, **k: calls.append(len(toks)) or real(self, toks, *a, **k))
+    out = tmp_path / "rows.jsonl"
+    res = run_eval(smollm2_path, tasks=["niah_single_1"], n=2, length=600, budgets=[0.5, 0.25], evictors=["snapkv", "tova"],
+             gates=["always", "page", "verify"], out=out, threads=THREADS)
+    rows = read_rows(out)
+    assert len(rows) == 2 * (1 + 2 * 2 * 3) and len(calls) == 2
+    monkeypatch.setattr(turn.Pipeline, "prefill", real)
+    with Model(smollm2_path) as tok_model:
+        prompter = ChatPrompter(tok_model)
+        samples = load_samples(prompter, ["niah_single_1"], 2, 600, 42, None)
+        prompts = [prompter.prompt(s).tokens for s in samples]
+    with Engine(smollm2_path, n_ctx=res["n_ctx"], threads=THREADS, gate="page") as eng:
+        for i, toks in enumerate(prompts):
+            D = {r["D"] for r in rows if r["index"] == i}
+            assert len(D) == 1 and D.pop() == pytest.approx(eng.measure(toks).D, rel=1e-6)
 
 
 def test_resuming_adds_no_rows_and_recreates_removed_rows_identically(tiny):
@@ -150,7 +175,7 @@ class KeepAll(Evictor):
 
 
 def test_prefill_once_and_copies_match_the_engine_and_an_empty_eviction_changes_nothing(smollm2_path, home):
-    from page_local.engine import Engine
+    from page_local.engine.engine import Engine
 
     with Engine(smollm2_path, n_ctx=1024, gate="never", threads=THREADS) as eng:
         prompter = ChatPrompter(eng.model)
@@ -197,7 +222,7 @@ def test_report_writes_markdown_and_plots(tiny, tmp_path):
 
 
 def test_report_with_a_profile_adds_the_calibrated_gate_and_refuses_another_models(tiny, tmp_path, monkeypatch):
-    from page_local.gate import save_profile
+    from page_local.store.profiles import save_profile
 
     monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))  # the profiles stay out of the module's home
     rows = [json.loads(line) for line in Path(tiny[0]).read_text().splitlines()]
@@ -253,7 +278,7 @@ def test_a_gzipped_results_file_reports_the_same_and_is_never_appended_to(tiny, 
 
 
 def test_resuming_under_another_gate_rule_is_refused(tiny, tmp_path, monkeypatch):
-    from page_local.gate import save_profile
+    from page_local.store.profiles import save_profile
 
     out = tmp_path / "raw.jsonl"
     out.write_bytes(Path(tiny[0]).read_bytes())  # rows decided with the raw threshold

@@ -10,12 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from page_local.eval import readers, scoring
-from page_local.eval.tasks import (
-    ADJECTIVES, CWE_TEMPLATE, FWE_TEMPLATE, NIAH_ANSWER_PREFIX, NIAH_TEMPLATE, NOISE, NOUNS,
-    PILOT_MIX, TASKS, VERBS, Sample, cwe_real_words, generate, niah_singular, pilot_prompts,
-    pseudo_words,
-)
+from page_local.tasks import readers
+from page_local.tasks import scoring
+from page_local.tasks.synthetic import ADJECTIVES, CWE_TEMPLATE, FWE_TEMPLATE, NIAH_ANSWER_PREFIX, NIAH_TEMPLATE, NOISE, NOUNS, PILOT_MIX, TASKS, VERBS, Sample, cwe_real_words, generate, niah_singular, pilot_prompts, pseudo_words
 
 
 def ws(text: str) -> int:

@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_model as tm  # noqa: E402
 
-from page_local.native import InvalidPositions, ProbeError  # noqa: E402
-from page_local.runtime import Context, ContextConfig, Model  # noqa: E402
+from page_local.native.pageops import InvalidPositions, ProbeError  # noqa: E402
+from page_local.native.runtime import Context, ContextConfig, Model  # noqa: E402
 
 EXAMPLES = int(os.environ.get("PAGE_LOCAL_FUZZ_EXAMPLES", "8"))
 N_CTX = 512

@@ -8,11 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from page_local import gate as gate_mod
-from page_local.gate import (
-    MODES, RAW_THRESHOLD, Z_THRESHOLD, Gate, Profile, ProfileWarning, calibrate, load_profile,
-    model_identity, page_local_home, profile_path, read_profile, save_profile,
-)
+from page_local.errors import ProfileWarning
+from page_local.gate import MODES, RAW_THRESHOLD, Z_THRESHOLD, Gate, calibrate
+from page_local.store import gguf, home as home_mod, profiles
+from page_local.store.gguf import model_identity
+from page_local.store.home import page_local_home
+from page_local.store.profiles import Profile, load_profile, profile_path, read_profile, save_profile
 
 
 @pytest.fixture
@@ -158,7 +159,7 @@ def test_failed_write_leaves_no_temp_file(home, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(gate_mod.os, "replace", boom)
+    monkeypatch.setattr(home_mod.os, "replace", boom)
     with pytest.raises(OSError):
         save_profile("m", 0.1, 0.02, 10, "x")
     assert list((home / "profiles").iterdir()) == []
@@ -242,11 +243,11 @@ def _tiny_gguf(path, name="tiny", n_layer=2, width=8, name_last=False):
 def test_model_identity_is_stable_and_discriminating(tmp_path):
     a = model_identity(_tiny_gguf(tmp_path / "a.gguf"))
     assert a == model_identity(_tiny_gguf(tmp_path / "a-copy.gguf"))  # same content, other file name
-    assert a.startswith("llama-") and gate_mod._MODEL_ID.fullmatch(a)
+    assert a.startswith("llama-") and profiles._MODEL_ID.fullmatch(a)
     assert a == model_identity(_tiny_gguf(tmp_path / "a-order.gguf", name_last=True))
     assert a != model_identity(_tiny_gguf(tmp_path / "b.gguf", name="other"))
     assert a != model_identity(_tiny_gguf(tmp_path / "c.gguf", n_layer=3))
-    meta = gate_mod.gguf_metadata(tmp_path / "a.gguf")
+    meta = gguf.gguf_metadata(tmp_path / "a.gguf")
     assert (meta["general.architecture"], meta["general.name"], meta["block_count"],
             meta["embedding_length"]) == ("llama", "tiny", 2, 8)
 

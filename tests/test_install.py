@@ -55,7 +55,7 @@ def test_installed_package_loads_its_own_library(installed):
     probe = (
         "import json, llama_cpp, llama_cpp.llama_cpp as l;"
         "first = l._lib._name; has_page = hasattr(l._lib, 'llama_page_last_error');"
-        "import page_local.native as n, page_local_bindings.loader as b; n.load();"
+        "import page_local.native.pageops as n, page_local_bindings.loader as b; n.load();"
         "print(json.dumps({'first': first, 'has_page': has_page, 'ours': str(b.library_dir()),"
         " 'pkg': llama_cpp.__file__}))"
     )

@@ -18,10 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_model as tm  # noqa: E402
 from tests.conftest import one_line_error  # noqa: E402
-from page_local import llama_log  # noqa: E402
-from page_local.engine import Engine  # noqa: E402
-from page_local.runtime import (ALL_LAYERS, ContextTooLong, Model, ModelError, default_n_gpu_layers, gpu_devices,
-                                parse_n_gpu_layers, supports_gpu_offload)
+from page_local.native import llama_log  # noqa: E402
+from page_local.engine.engine import Engine  # noqa: E402
+from page_local.native.runtime import ALL_LAYERS, ContextTooLong, Model, ModelError, default_n_gpu_layers, gpu_devices, parse_n_gpu_layers, supports_gpu_offload
 
 SMALL = ["--max-tokens", "2", "--n-ctx", "256", "--threads", "1"]
 PROMPT = "The capital of France is"
@@ -224,7 +223,7 @@ def test_run_output_is_clean(tmp_path):
     p = _page_local("run", "--prompt", PROMPT, *SMALL, env={"PAGE_LOCAL_HOME": str(tmp_path)})
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(" Paris") and p.stdout.count("\n") == 1, p.stdout
-    assert p.stderr.count("\n") == 1 and p.stderr.startswith("[verify"), p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("[nothing to evict"), p.stderr
 
 
 def test_verbose_shows_every_level(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from page_local.native import InvalidArgument, InvalidPositions, ProbeError
+from page_local.native.pageops import InvalidArgument, InvalidPositions, ProbeError
 from tests.capture import tensor_capture
 from tests.conftest import random_tokens
 
@@ -96,7 +96,7 @@ N_SEQ = 512
 @pytest.fixture(scope="module")
 def shared_ctx(smollm2):
     """Seq 0 holds a 512-token prompt; tests copy it into seq 1/2 (cells are shared, not copied)."""
-    from page_local.runtime import Context, ContextConfig
+    from page_local.native.runtime import Context, ContextConfig
 
     ctx = Context(smollm2, ContextConfig(n_ctx=1024, n_seq_max=3, threads=2))
     ctx.decode(random_tokens(N_SEQ, seed=2), 0, 0, logits="none")

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_model as tm  # noqa: E402
 
-from page_local.runtime import Context, ContextConfig, Model  # noqa: E402
+from page_local.native.runtime import Context, ContextConfig, Model  # noqa: E402
 
 PREFIX, W = 300, 32
 THREADS = 2

@@ -124,26 +124,38 @@ def chat(smollm2_path, tmp_path):
 
 
 def status_line(out: str) -> str:
+    """The line after an answer: what happened to the cache (cli/narrate.py), speed, cells, how it ended."""
     lines = [ln for ln in out.splitlines() if " cells" in ln]
     assert lines, f"no status line in {out!r}"
     line = lines[-1]
-    assert re.search(r"[\d.]+ tok/s · \d+/2048 cells · gate (open|closed) \(.*\) kept \d+/\d+", line), line
+    assert re.search(r"^(evicted to \d+ of \d+|verify refused: full cache of \d+ kept|nothing to evict \(T \d+ "
+                     r"<=|not verified \(.*\): full cache of \d+ kept).* · [\d.]+ tok/s · \d+/2048 cells", line), line
     return line
 
 
 def cells(out: str) -> int:
-    """The cells in use after the turn (fewer than before it when the gate opened and evicted)."""
+    """The cells in use after the turn (fewer than before it when the turn evicted)."""
     return int(re.search(r"(\d+)/2048 cells", status_line(out)).group(1))
 
 
+def kept_of(out: str) -> tuple[int, int]:
+    """(K, T) of the turn's decision: the positions kept, of the T in the cache once the message was
+    prefilled (K == T when nothing was evicted)."""
+    line = status_line(out)
+    m = re.match(r"evicted to (\d+) of (\d+)", line)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    m = re.search(r"full cache of (\d+) kept|nothing to evict \(T (\d+)", line)
+    T = int(m.group(1) or m.group(2))
+    return T, T
+
+
 def kept(out: str) -> int:
-    """K of the turn's decision: the positions kept (all T of them when nothing was evicted)."""
-    return int(re.search(r"kept (\d+)/\d+", status_line(out)).group(1))
+    return kept_of(out)[0]
 
 
 def positions(out: str) -> int:
-    """T of the turn's decision: the positions in the cache once the message was prefilled."""
-    return int(re.search(r"kept \d+/(\d+)", status_line(out)).group(1))
+    return kept_of(out)[1]
 
 
 def test_chat_through_a_pty(chat, tmp_path):
@@ -214,17 +226,55 @@ def test_chat_through_a_pty(chat, tmp_path):
     c2 = chat()
     assert "max-tokens 24" in plain(c2.banner)
     out = c2.ask("/stats")
-    assert "No turn yet." in out
+    assert "No turn yet" in out
     out = c2.ask(f"/load {conv}")
-    assert re.search(r"Loaded 4 messages; budget 0\.25 · evictor snapkv · gate verify · temperature 0 · "
-                     r"max-tokens 24", out), out
-    out = c2.ask("/stats")
-    assert re.search(r"│\s*D\s+│\s*-?\d+\.\d{4}\s*│", out), out
-    assert re.search(r"│\s*cells\s+│\s*\d+/2048\s*│", out), out
-    loaded = int(re.search(r"│\s*cells\s+│\s*(\d+)/2048", out).group(1))
-    if re.search(r"│\s*evicted\s+│\s*False", out):  # the 2 saved turns were re-prefilled, not the later ones
-        assert n1 < loaded <= n2 + 8, (n1, loaded, n2)  # + the end-of-turn tokens the template adds
+    assert re.search(r"Loaded 4 messages; budget 0\.25 · evictor snapkv · gate verify · verify-tokens 64 · "
+                     r"on-full evict · temperature 0 · max-tokens 24", out), out
+    out = c2.ask("/stats")  # a re-prefill is no turn: no decision to show, the cells it holds
+    assert "No turn yet" in out and "re-prefilled since" in out, out
+    loaded = int(re.search(r"cells (\d+)/2048", out).group(1))
+    # the 2 saved turns were re-prefilled (a replay never evicts under verify), not the later ones
+    assert n1 < loaded <= n2 + 8, (n1, loaded, n2)  # + the end-of-turn tokens the template adds
     out = c2.ask("What was the secret code?")
     assert positions(out) > loaded  # on top of the loaded conversation
     assert c2.exit() == 0
     print(f"pty chat test: {time.monotonic() - t0:.1f} s")
+
+
+DOC = " ".join(f"Item {i} is a {c} box on shelf {i % 7}." for i, c in
+               enumerate(["red", "green", "blue", "yellow", "white", "black"] * 4))
+
+
+def answer(out: str) -> tuple[str, str]:
+    """(the streamed answer, what the cache went through): the turn's output without its speed."""
+    line = status_line(out)
+    return out[: out.index(line)].strip(), line.split(" · ")[0]
+
+
+def test_an_evicted_chat_saved_and_loaded_in_a_new_process_continues_identically(chat, tmp_path):
+    t0 = time.monotonic()
+    doc = tmp_path / "shelves.txt"
+    doc.write_text(DOC, encoding="utf-8")
+    saved = tmp_path / "evicted chat.chat"  # a space: the whole rest of the line is the path
+    question = "And which colour is item 9?"
+
+    c = chat()
+    for line in ("/set gate always", "/set budget 64", "/set verify-tokens 16", "/set on-full refuse"):
+        c.ask(line)
+    out = c.ask(f"/read {doc} Which colour is item 4?")
+    assert kept_of(out)[0] == 64 < kept_of(out)[1], out  # the document evicted
+    held = cells(out)
+    out = c.ask(f"/save {saved}")
+    assert re.search(rf"Saved 2 messages and the evicted KV cache \([\d.]+ MiB\) to {re.escape(str(saved))}", out), out
+    first = answer(c.ask(question))
+    assert first[1].startswith("evicted to 64 of "), first  # the continuation evicted again
+    assert c.exit() == 0
+
+    c2 = chat()  # started with the default settings: they come back from the file
+    out = c2.ask(f"/load {saved}")
+    assert re.search(r"Loaded 2 messages and their KV cache \(\d+ cells, as saved\); budget 64 · evictor snapkv · "
+                     r"gate always · verify-tokens 16 · on-full refuse · temperature 0 · max-tokens 24", out), out
+    assert f"KV cache ({held} cells, as saved)" in out, (held, out)  # the cache as the first process held it
+    assert answer(c2.ask(question)) == first  # the same tokens, and the same eviction on the way
+    assert c2.exit() == 0
+    print(f"pty evicted save/load test: {time.monotonic() - t0:.1f} s")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from page_local.engine import Engine
+from page_local.engine.engine import Engine
 
 HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 PROMPTS = [

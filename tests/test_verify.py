@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from page_local.engine import Engine
+from page_local.engine.engine import Engine
 from page_local.verify import RULES, VERIFY_CAP, VERIFY_RULE
 
 THREADS = 1
@@ -107,13 +107,23 @@ def test_a_longer_check_is_never_more_permissive(engine):
     assert all(b >= a - 1e-3 for a, b in zip(scores, scores[1:])), scores
 
 
-def test_page_plus_verify_runs_verification_only_where_the_gate_opens(engine):
+@pytest.mark.parametrize("threshold, opens", [(-1e9, True), (1e9, False)], ids=["page-opens", "page-closes"])
+def test_page_plus_verify_runs_verification_only_where_the_gate_opens(engine, threshold, opens):
+    """Both branches, each pinned: the raw threshold is moved so that PAGE's gate must open (then the
+    candidate is checked) or must stay closed (then nothing is checked or evicted)."""
     engine.set_gate("page+verify")
     engine.set_budget(0.25)
     engine.set_verify(4)
-    r = engine.generate(NEEDLE, max_tokens=8)
-    d = r.decision
-    assert (d.verify_m is not None) == (d.open and d.T > d.B)
+    engine.gate.threshold = threshold
+    try:
+        d = engine.generate(NEEDLE, max_tokens=8).decision
+    finally:
+        engine.set_gate("page+verify")  # a fresh gate with the default threshold
+    assert d.open is opens and d.T > d.B
+    if opens:
+        assert d.verify_m == 4 and d.verify_score is not None and d.evicted == (d.verify_score <= d.verify_threshold)
+    else:
+        assert d.verify_m is None and not d.evicted and d.kept == d.T
 
 
 def test_bad_verify_settings(engine):

@@ -26,10 +26,13 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-FULL = "full"
+from page_local.eval.rows import FULL
+from page_local.gate import VERIFY_MODES
+
 HARM_NATS = 1.0
 CALIBRATED = "page-z"  # the PAGE gate re-decided under a calibration profile (regate)
-GATE_ORDER = ("full", "always", "page", CALIBRATED, "verify", "page+verify")
+# the report's order: the full cache, the gate modes evaluated (gate.GATE_MODES), the re-decided PAGE beside PAGE
+GATE_ORDER = (FULL, "always", "page", CALIBRATED) + VERIFY_MODES
 RUN_FIELDS = ("model", "length_target", "query_agnostic", "verify_m")
 
 
@@ -343,7 +346,7 @@ def d_by_task(rows: Iterable[dict]) -> list[dict]:
 def calibrated_threshold(rows: Iterable[dict]) -> float | None:
     """The raw D at which the calibrated gate flips (mu + theta_z sigma), recovered from rows that
     carry both D and z; None without a profile."""
-    from ..gate import Z_THRESHOLD
+    from page_local.gate import d_threshold
 
     pts = {}
     for r in rows:
@@ -355,7 +358,7 @@ def calibrated_threshold(rows: Iterable[dict]) -> float | None:
     if np.ptp(d[1]) == 0:
         return None
     sigma, mu = np.polyfit(d[1], d[0], 1)  # D = mu + z sigma
-    return float(mu + Z_THRESHOLD * sigma)
+    return float(d_threshold(mu, sigma))
 
 
 def regate(rows: Iterable[dict], mu: float, sigma: float, z_threshold: float | None = None) -> list[dict]:
@@ -365,14 +368,13 @@ def regate(rows: Iterable[dict], mu: float, sigma: float, z_threshold: float | N
     No model run is needed: a PAGE gate only chooses between two caches the runner already
     evaluated — the plain evictor's ("always" rows) and the full cache ("full" rows) — so each new
     row is the always-row when the gate opens and the full-cache outcome when it stays closed."""
-    from ..gate import Z_THRESHOLD, Gate, Profile
+    from page_local.gate import Z_THRESHOLD, Gate
 
     th = Z_THRESHOLD if z_threshold is None else float(z_threshold)
     if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
         raise ValueError(f"a calibration profile needs a finite mu and sigma > 0, got mu={mu!r} sigma={sigma!r}")
     # the engine's own rule decides, so the report cannot drift from what `run` would do
-    gate = Gate("page", Profile(model_id="report", model="", n_pilot=2, mu=float(mu), sigma=float(sigma),
-                                created="", page_local_version=""), z_threshold=th)
+    gate = Gate.calibrated(mu, sigma, z_threshold=th)
     rows = list(rows)
     full = {sample_id(r): r for r in rows if r["gate"] == FULL}
     plain = [r for r in rows if r["gate"] == "always"]

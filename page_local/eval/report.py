@@ -16,8 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from . import metrics
-from .runner import read_rows
+from page_local.eval import metrics
+from page_local.eval.rows import read_rows
 
 GATE_LABEL = {"full": "full", "always": "plain", "page": "PAGE", metrics.CALIBRATED: "PAGE (z)", "verify": "verify",
               "page+verify": "PAGE+verify"}
@@ -136,7 +136,7 @@ def _d_table(s: dict) -> str:
 def _verify_rule_words(v: dict | None) -> str:
     if not v:  # rows written before verify.py: the mean over the first m tokens
         return "verify = evict iff Δself ≤ 0.05 nats/token over the first m full-cache tokens."
-    from ..verify import RULES
+    from page_local.verify import RULES
 
     what = RULES.get(v["rule"], (v["rule"],))[0]
     return (f"verify = evict iff {what} ≤ {v['threshold']:g} (rule `{v['rule']}`) over the full cache's answer, "
@@ -308,7 +308,8 @@ def write_report(rows_path: str | os.PathLike, out_dir: str | os.PathLike | None
 
     profile: a calibration profile file (`page-local calibrate`); the runs of its model get the gate
     "page-z", the PAGE gate re-decided under it (metrics.regate), beside the raw rule."""
-    from ..gate import Gate, read_profile_file
+    from page_local.gate import Gate
+    from page_local.store.profiles import read_profile_file
 
     rows_path = Path(rows_path)
     if not rows_path.exists():

@@ -16,7 +16,7 @@ Per sample (docs/design.md §9, "Evaluation in brief"; docs/algorithms.md §6.8)
   4. on each candidate cache: the teacher-forced NLL of the first reference answer (" " + answer,
      appended after the prompt; total nats over its tokens), greedy generation up to the task's
      max_new_tokens (stop at end-of-generation), and, for evicted candidates, self-verification as
-     Engine._verify does it: the FULL cache's answer up to its end (its end-of-generation included)
+     the engine does it (turn.Pipeline.verify_span): the FULL cache's answer up to its end (its end-of-generation included)
      or the cap m (verify.VERIFY_CAP) is teacher-forced on the evicted cache in one batch, and
      verify.verify_score decides from the per-token losses log p_full - log p_evicted and the
      positions whose top token changed (both stored per row: verify_loss, verify_changed);
@@ -50,139 +50,21 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import scoring
-from ..chat_template import ChatTemplate
-from ..lookahead import log_softmax
-from ..verify import VERIFY_CAP, VERIFY_RULE, RULES, top_token, verify_score
-from .readers import read_samples
-from .tasks import Sample, generate, get_task
+from page_local.tasks import scoring
+from page_local.chat.prompts import ChatPrompter, Prompt
+from page_local.engine.turn import N_SINK, W, supported
+from page_local.eval.rows import FULL, KEY_FIELDS, _jkey, read_rows, row_key
+from page_local.evictors.base import resolve_budget
+from page_local.gate import BASE_MODE, GATE_MODES, VERIFY_MODES
+from page_local.verify import RULES, VERIFY_CAP, VERIFY_RULE, kl
+from page_local.tasks.readers import read_samples
+from page_local.tasks.synthetic import Sample, generate, get_task
 
-# every (sample, configuration) row is identified by these fields (resuming skips what is there)
-KEY_FIELDS = ("model", "source", "task", "index", "length_target", "seed", "query_agnostic", "verify_m",
-              "evictor", "budget", "gate")
-EVAL_GATES = ("always", "page", "verify", "page+verify")
-FULL = "full"  # the gate name of the full-cache configuration (evictor and budget are None)
+EVAL_GATES = tuple(g for g in GATE_MODES if g != "never")  # "never" is the full-cache row, always evaluated
 DEFAULT_BUDGETS = (0.5, 0.25, 0.125, 0.0625)
 CTX_MARGIN = 64
 
 Progress = Callable[[int, int], None]
-
-
-# --- prompts ---------------------------------------------------------------------------------
-
-@dataclass
-class Prompt:
-    sample: Sample
-    text: str  # the rendered chat prompt, answer prefix included
-    tokens: list[int]
-    split: int  # tokens[:split] are probed and compressed (== len(tokens) unless query-agnostic)
-    reference: list[int]  # tokens of " " + the first reference answer
-
-    @property
-    def n(self) -> int:
-        return len(self.tokens)
-
-
-class ChatPrompter:
-    """Renders samples with the model's chat template (chat_template.ChatTemplate, as chat.ChatSession
-    does): the user turn, the opened assistant turn, then the answer prefix.
-    plain=True (base models without a template): the user text, a blank line, the answer prefix.
-    """
-
-    def __init__(self, model, system: str | None = None, plain: bool = False):
-        self.model = model
-        self.system = system
-        self.plain = plain
-        self._template = None if plain else ChatTemplate(
-            model, fallback="pass --plain (user text + answer prefix, no chat markup)")
-        self.overhead = len(self.model.tokenize(self.render("", ""), add_special=True))
-
-    def render(self, user: str, answer_prefix: str) -> str:
-        if self.plain:
-            head = f"{self.system}\n\n" if self.system else ""
-            return f"{head}{user}\n\n{answer_prefix}" if user else f"{head}{answer_prefix}"
-        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": user}]
-        return self._template.render(msgs, generation_prompt=True) + answer_prefix
-
-    def count_tokens(self, text: str) -> int:
-        """Tokens of a text without chat markup (tasks.generate's length control)."""
-        return len(self.model.tokenize(text, add_special=False))
-
-    def prompt(self, sample: Sample, query_agnostic: bool = False) -> Prompt:
-        user, prefix = sample.messages()
-        text = self.render(user, prefix)
-        if not sample.answers:
-            raise ValueError(f"{sample.task}[{sample.index}] has no reference answers (unlabeled); "
-                             "it cannot be evaluated")
-        ref = self.model.tokenize(" " + sample.answers[0].strip(), add_special=False, parse_special=False)
-        if not query_agnostic:
-            toks = self.model.tokenize(text, add_special=True)
-            return Prompt(sample, text, toks, len(toks), ref)
-        ctx = sample.context.rstrip()
-        at = text.find(ctx) if ctx else -1
-        if at < 0:
-            raise ValueError(f"{sample.task}[{sample.index}]: the chat template changed the context; "
-                             "query-agnostic mode cannot find where it ends")
-        head, tail = text[: at + len(ctx)], text[at + len(ctx):]
-        toks = self.model.tokenize(head, add_special=True)
-        split = len(toks)
-        toks = toks + self.model.tokenize(tail, add_special=False)
-        return Prompt(sample, text, toks, split, ref)
-
-
-# --- small helpers on a Context ---------------------------------------------------------------
-
-def _logp(logits: np.ndarray, tok: int) -> float:
-    x = logits.astype(np.float64)
-    m = x.max()
-    return float(x[tok] - m - math.log(np.exp(x - m).sum()))
-
-
-def _decode_all(ctx, tokens: Sequence[int], pos: int, seq: int) -> list[np.ndarray]:
-    """Decode tokens at pos.. in seq with logits for every token; returns them (chunks of n_batch)."""
-    out = []
-    for s in range(0, len(tokens), ctx.n_batch):
-        chunk = list(tokens[s: s + ctx.n_batch])
-        ctx.decode(chunk, pos + s, seq, logits="all")
-        out.extend(ctx.logits(i) for i in range(len(chunk)))
-    return out
-
-
-def _teacher_force(ctx, first_logits: np.ndarray, targets: Sequence[int], pos: int, seq: int) -> np.ndarray:
-    """f64 log p of each target: the first from first_logits, the rest from one batch of targets[:-1]
-    decoded at pos... The decoded tokens stay in seq (the caller removes them)."""
-    lp = [_logp(first_logits, targets[0])]
-    if len(targets) > 1:
-        lp += [_logp(lg, t) for lg, t in zip(_decode_all(ctx, targets[:-1], pos, seq), targets[1:])]
-    return np.asarray(lp, dtype=np.float64)
-
-
-def _greedy(ctx, model, first_logits: np.ndarray, pos: int, seq: int, max_new: int,
-            want_logp: bool = False) -> tuple[list[int], list[float], str, int | None]:
-    """Greedy generation from first_logits; tokens are decoded at pos.. in seq.
-
-    Returns (tokens without the end-of-generation token, log p of each of them, finish, the
-    end-of-generation token or None); with want_logp and finish "stop", lps has one more entry: the
-    end-of-generation token's."""
-    out: list[int] = []
-    lps: list[float] = []
-    logits = first_logits
-    for _ in range(max_new):
-        tok = int(np.argmax(logits))
-        if model.is_eog(tok):
-            if want_logp:
-                lps.append(_logp(logits, tok))
-            return out, lps, "stop", tok
-        out.append(tok)
-        if want_logp:
-            lps.append(_logp(logits, tok))
-        if len(out) == max_new:
-            break
-        ctx.decode([tok], pos, seq)
-        pos += 1
-        logits = ctx.logits()
-    return out, lps, "length", None
 
 
 def _ms(t0: float) -> float:
@@ -218,48 +100,37 @@ class _Run:
     def __init__(self, eng, page_gate, evictors: dict, budgets: Sequence, gates: Sequence[str],
                  verify_m: int, seed: int):
         self.eng, self.ctx, self.model = eng, eng.ctx, eng.model
+        self.pipe = eng.pipeline  # the engine's own turn steps (engine/turn.py)
         self.page_gate = page_gate
         self.evictors, self.budgets, self.gates = evictors, list(budgets), list(gates)
         self.verify_m, self.seed = verify_m, seed
-        self.need_commit = any(g in ("verify", "page+verify") for g in gates)
+        self.need_commit = any(g in VERIFY_MODES for g in gates)
         self.last_full: Candidate | None = None  # the last sample's full-cache outcome (tests, debugging)
 
     def sample(self, p: Prompt, wanted: set) -> list[dict]:
         """The rows of one sample for the wanted (evictor, JSON budget, gate) configurations; the full
         cache is (None, None, "full"). The random evictor's seed is seed + sample index."""
-        from ..engine import N_SINK, TOP_K, W, _align
-        from ..evictors.base import EvictionInput, resolve_budget
-        from ..signal import compute_signal
-
-        eng, ctx, page = self.eng, self.ctx, self.ctx.page
+        eng, ctx, pipe = self.eng, self.ctx, self.pipe
         t_sample = time.perf_counter()
         eng.reset()
         toks, s = p.tokens, p.split
-        w = min(W, s)
         needs = set().union(*(e.needs for e in self.evictors.values())) if self.evictors else set()
         t0 = time.perf_counter()
-        prefill_attn = eng._prefill(toks[: s - w], 0, track="prefill_attention" in needs)
-        page.arm_probe(0, TOP_K)
-        ctx.decode(toks[s - w: s], s - w, 0)
-        logits0 = ctx.logits()  # the next-token logits after the compressible part
-        probe = page.read_probe()
+        pre = pipe.prefill(toks[:s], 0, 0, track_attention="prefill_attention" in needs)
+        logits0 = pre.logits  # the next-token logits after the compressible part
         prefill_ms = _ms(t0)
         t0 = time.perf_counter()
-        D, agreement = None, []
-        if probe.n_head >= 2:
-            sig = compute_signal(probe)
-            D, agreement = float(sig.D), [round(float(a), 6) for a in sig.agreement]
+        D, agreement = pre.D, [round(a, 6) for a in pre.agreement]
         g = self.page_gate.decide(D) if D is not None else None
         page_open = bool(g.open) if g else False
         z = None if g is None or g.z is None else float(g.z)
-        held = page.positions(0)
-        T = int(held.size)
+        T = pre.T
         gate_ms = _ms(t0)
         suffix = toks[s:]
         try:
             full = self.last_full = self._full(p, logits0, suffix)
             cands: dict[tuple, Candidate] = {}
-            extra: dict = {}
+            cache: dict = {}  # evictor signals, computed once per sample
             for ename, ev in self.evictors.items():
                 for b in self.budgets:
                     if not any((ename, _jkey(b), gname) in wanted for gname in self.gates):
@@ -272,13 +143,13 @@ class _Run:
                                       verify_score=0.0, verify_end=False, verify_loss=[], verify_changed=[])
                         cands[(ename, _jkey(b))] = c
                         continue
-                    signals = self._signals(ev, extra, probe, held, prefill_attn, toks, s, _align, logits0)
+                    # after the full-cache candidate: the signals may re-decode seq 0's last token
+                    signals = pipe.signals(ev.needs, pre, s - 1, toks[s - 1], spec=getattr(ev, "spec", None),
+                                           cache=cache)
                     t0 = time.perf_counter()
-                    inp = EvictionInput(held=held, budget=B, window=probe.queries, n_sink=N_SINK, probe=probe,
-                                        seed=self.seed + p.sample.index, **signals)
-                    keep = ev.select(inp)
+                    keep = pipe.select(ev, pre, B, signals, self.seed + p.sample.index)
                     select_ms = _ms(t0)
-                    c = self._evicted(p, keep, held, full)
+                    c = self._evicted(p, keep, pre.held, full)
                     c.B = B
                     c.timings["select_ms"] = select_ms
                     if "lookahead" in signals:  # one-time per sample, shared by every budget
@@ -289,32 +160,6 @@ class _Run:
         sample_s = time.perf_counter() - t_sample
         return self._rows(p, T, D, z, page_open, g, agreement, full, cands, wanted,
                           dict(prefill_ms=prefill_ms, gate_ms=gate_ms, sample_s=round(sample_s, 3)))
-
-    def _signals(self, ev, extra: dict, probe, held, prefill_attn, toks, s, _align, logits0) -> dict:
-        """Extra evictor inputs, computed once per sample, after the full-cache candidate."""
-        from ..engine import TOP_K
-
-        ctx, page, out = self.ctx, self.ctx.page, {}
-        if "last_query" in ev.needs:
-            if "last_query" not in extra:  # re-decode the last probed token with the probe armed
-                last = s - 1
-                ctx.seq_rm(0, last, last + 1)
-                page.arm_probe(0, TOP_K)
-                ctx.decode([toks[last]], last, 0)
-                extra["last_query"] = page.read_probe()
-            out["last_query"] = extra["last_query"]
-        if "key_norms" in ev.needs:
-            if "key_norms" not in extra:
-                extra["key_norms"] = page.key_norms(0, self.model.n_layer, self.model.n_head_kv)
-            out["key_norms"] = extra["key_norms"]
-        if "prefill_attention" in ev.needs and prefill_attn is not None:
-            out["prefill_attention"] = _align(prefill_attn, probe, held)
-        if "lookahead" in ev.needs:  # LORE-KV's futures, once per sample and lookahead spec
-            key = ("lookahead", ev.spec)
-            if key not in extra:
-                extra[key] = self.eng.lookahead(logits0, ev.spec)
-            out["lookahead"] = extra[key]
-        return out
 
     def _full(self, p: Prompt, logits0: np.ndarray, suffix: list[int]) -> Candidate:
         ctx = self.ctx
@@ -333,32 +178,26 @@ class _Run:
 
     def _evicted(self, p: Prompt, keep: np.ndarray, held: np.ndarray, full: Candidate) -> Candidate:
         """Candidate on seq 1 = seq 0 minus the complement of keep; last probed token re-decoded."""
-        ctx, page, s, toks = self.ctx, self.ctx.page, p.split, p.tokens
-        last = s - 1
+        s, toks = p.split, p.tokens
         t0 = time.perf_counter()
-        ctx.seq_cp(0, 1, -1, last)  # positions [0, last): the prompt minus its last probed token
-        drop = np.setdiff1d(held[held < last], keep, assume_unique=True)
-        if drop.size:
-            page.evict(1, drop)
-        ctx.decode([toks[last]] + toks[s:], last, 1)
-        first = ctx.logits()
-        kept = int(np.isin(held, keep).sum())
-        c = Candidate(evicted=bool(drop.size), kept=kept)
+        dropped, _ = self.pipe.candidate(keep, held, s - 1, toks[s - 1:], src=0, dst=1)
+        first = self.ctx.logits()
+        c = Candidate(evicted=dropped > 0, kept=int(np.isin(held, keep).sum()))
         c.timings["evict_ms"] = _ms(t0)
         self._outcomes(c, p, first, want_logp=False)
         self._verify(c, p, full, first)
-        ctx.seq_rm(1, -1, -1)
+        self.ctx.seq_rm(1, -1, -1)
         return c
 
     def _outcomes(self, c: Candidate, p: Prompt, first: np.ndarray, want_logp: bool) -> None:
         """NLL of the reference and the greedy answer on the candidate held in seq 1 (up to p.n - 1)."""
         ctx, n = self.ctx, p.n
         t0 = time.perf_counter()
-        c.nll = float(-_teacher_force(ctx, first, p.reference, n, 1).sum())
+        c.nll = float(-self.pipe.teacher_force(first, p.reference, n, 1).sum())
         ctx.seq_rm(1, n, -1)
         c.timings["nll_ms"] = _ms(t0)
         t0 = time.perf_counter()
-        c.tokens, lps, c.finish, eog = _greedy(ctx, self.model, first, n, 1, p.sample.max_new_tokens, want_logp)
+        c.tokens, lps, c.finish, eog = self.pipe.greedy(first, n, 1, p.sample.max_new_tokens, want_logp)
         ctx.seq_rm(1, n, -1)
         c.timings["gen_ms"] = _ms(t0)
         c.timings["gen_tokens"] = len(c.tokens)
@@ -366,9 +205,9 @@ class _Run:
             self.full_logp, self.full_eog = lps, eog
 
     def _verify(self, c: Candidate, p: Prompt, full: Candidate, first: np.ndarray) -> None:
-        """Self-verification of the candidate: the full cache's answer up to its end or the cap m,
-        teacher-forced on the candidate in one batch, scored by verify.verify_score; and (when a verify
-        gate is evaluated) the answer Engine(gate="verify") gives if it commits."""
+        """Self-verification of the candidate, as the engine does it (Pipeline.verify_span): the full cache's answer up to its
+        end or the cap m, teacher-forced on the candidate in one batch, scored by Pipeline.verify_span;
+        and (when a verify gate is evaluated) the answer Engine(gate="verify") gives if it commits."""
         ctx, n, m = self.ctx, p.n, self.verify_m
         y = full.tokens[:m]
         k = len(y)
@@ -379,20 +218,17 @@ class _Run:
         # the answer ended inside the span: its end-of-generation is one more checked position
         end = full.finish == "stop" and len(full.tokens) < m
         lp_full = np.asarray(self.full_logp[: k + int(end)], dtype=np.float64)
-        outs = _decode_all(ctx, y, n, 1)  # outs[i] = distribution after y[:i+1]
+        outs = self.pipe.decode(y, n, 1, logits="all")  # outs[i] = distribution after y[:i+1]
         ev_logits = [first] + outs[: k - 1] + ([outs[k - 1]] if end else [])
         y_pos = list(y) + ([self.full_eog] if end else [])
         top_full = list(y) + ([-1] if end else [])  # greedy: the full cache's token is its top token
-        lp_ev = np.asarray([_logp(lg, t) for lg, t in zip(ev_logits, y_pos)], dtype=np.float64)
-        changed = np.array([top_token(lg, self.model.is_eog) != t for lg, t in zip(ev_logits, top_full)], dtype=bool)
-        v = verify_score(lp_full, lp_ev, changed, rule=VERIFY_RULE)
+        v, lp_ev, changed = self.pipe.verify_span(lp_full, ev_logits, y_pos, top_full, VERIFY_RULE)
         c.delta_self, c.verify_score, c.verify_open = v.mean, v.score, v.passed
         c.verify_m, c.verify_end = k, bool(end)
         c.verify_loss = [round(float(x), 6) for x in lp_full - lp_ev]
         c.verify_changed = [int(i) for i in np.flatnonzero(changed)]
         c.verify_top1 = float(1.0 - changed.mean())
-        pf, pe = log_softmax(self.full_first), log_softmax(first)
-        c.verify_kl_first = float(np.sum(np.exp(pf) * (pf - pe)))
+        c.verify_kl_first = kl(self.full_first, first)
         if self.need_commit:
             rest = p.sample.max_new_tokens - k
             if k < m or rest <= 0:  # the whole answer was checked: the committed answer is the full cache's
@@ -400,7 +236,7 @@ class _Run:
             elif c.tokens[:m] == y:  # the evicted cache itself produced y: its continuation is the same
                 c.committed = list(c.tokens)
             else:
-                more = _greedy(ctx, self.model, outs[k - 1], n + k, 1, rest)[0]
+                more = self.pipe.greedy(outs[k - 1], n + k, 1, rest)[0]
                 c.committed = list(y) + more
         ctx.seq_rm(1, n, -1)
         c.timings["verify_ms"] = _ms(t0)
@@ -469,58 +305,10 @@ class _Run:
         return rows
 
 
-def _jkey(v) -> str:
-    return json.dumps(v)
-
-
-def row_key(row: dict) -> tuple:
-    return tuple(_jkey(row.get(k)) for k in KEY_FIELDS)
-
-
-# --- results file ------------------------------------------------------------------------------
-
-def read_rows(path: str | os.PathLike, repair: bool = False) -> list[dict]:
-    """Rows of a results file. A truncated LAST line (an interrupted write) is ignored, and with
-    repair=True cut off the file; a bad line elsewhere is a ValueError naming it. A file ending in
-    .gz (a committed, compressed results file) is read as gzip; it is never repaired."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    if path.suffix == ".gz":
-        import gzip
-
-        try:
-            data = gzip.decompress(path.read_bytes())
-        except (OSError, EOFError) as e:
-            raise ValueError(f"{path}: not a readable gzip file ({e})") from None
-        repair = False
-    else:
-        data = path.read_bytes()
-    rows, offset = [], 0
-    lines = data.split(b"\n")
-    for i, line in enumerate(lines):
-        end = offset + len(line) + 1
-        if line.strip():
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError("not an object")
-                rows.append(row)
-            except ValueError as e:
-                if all(not x.strip() for x in lines[i + 1:]):  # the last line: an interrupted write
-                    if repair:
-                        with open(path, "r+b") as f:
-                            f.truncate(offset)
-                    break
-                raise ValueError(f"{path}:{i + 1}: not a results row ({e})") from None
-        offset = end
-    return rows
-
-
 # --- the public entry point ----------------------------------------------------------------------
 
 def _check_budgets(budgets) -> list:
-    from ..evictors.base import resolve_budget
+    from page_local.evictors.base import resolve_budget
 
     out = []
     for b in budgets:
@@ -569,7 +357,7 @@ def load_samples(prompter: ChatPrompter | None, tasks: Sequence[str] | None, n: 
 def _check_same_rule(existing: list[dict], model_id: str, page_gate, out: Path) -> None:
     """Refuse to resume a results file whose PAGE rows were decided under another rule: a profile
     stored (or changed, or removed) since would silently mix raw and calibrated decisions."""
-    from ..gate import profile_path
+    from page_local.store.profiles import profile_path
 
     prof = page_gate.profile
     for r in existing:
@@ -605,11 +393,12 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     n_gpu_layers, allow_long_context: as Engine's (allow_long_context also lifts the trained-context check).
     Returns {"out", "rows_written", "rows_present", "samples", "samples_run", "wall_s", "per_sample_s"}.
     """
-    from .. import gate as gate_mod
-    from .. import models
-    from ..engine import Engine, _supported
-    from ..evictors import get_evictor
-    from ..runtime import Model
+    from page_local import gate as gate_mod
+    from page_local.store.gguf import model_identity
+    from page_local.store import models
+    from page_local.engine.engine import Engine
+    from page_local.evictors import get_evictor
+    from page_local.native.runtime import Model
 
     path = models.resolve(model)
     gates = list(dict.fromkeys(gates))
@@ -618,7 +407,7 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
         raise ValueError(f"unknown gate mode(s) {bad}; choose from {', '.join(EVAL_GATES)} "
                          "(the full cache is always evaluated)")
     budgets = _check_budgets(list(dict.fromkeys(budgets)))
-    evs = {name: _supported(get_evictor(name)) for name in dict.fromkeys(evictors)}
+    evs = {name: supported(get_evictor(name)) for name in dict.fromkeys(evictors)}
     if isinstance(verify_m, bool) or not isinstance(verify_m, int) or not 1 <= verify_m <= 256:
         raise ValueError(f"verify_m must be an int in [1, 256], got {verify_m!r}")
     if tasks:
@@ -629,7 +418,7 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     if out.suffix == ".gz":
         raise ValueError(f"--out {out}: results are appended as plain JSONL; compressed .gz files are for "
                          "reading (eval report) only. Write to a .jsonl file.")
-    model_id = gate_mod.model_identity(path)
+    model_id = model_identity(path)
     source = "generated" if input is None else str(input)
 
     with Model(path, n_gpu_layers=0) as tok_model:  # the tokenizer only
@@ -682,7 +471,7 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     if not todo:
         return result
     page_gate = gate_mod.Gate.for_model(model_id, "page")
-    if any(g in ("page", "page+verify") for g in gates):
+    if any(BASE_MODE[g] == "page" for g in gates):
         _check_same_rule(existing, model_id, page_gate, out)
 
     t_start = time.perf_counter()

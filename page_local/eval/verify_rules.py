@@ -19,8 +19,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..verify import verify_score
-from .runner import read_rows
+from page_local.verify import verify_score
+from page_local.eval.rows import read_rows
 
 DEFAULT_RULES = ("mean:0.05", "max:0.25", "max:0.5", "max:1.0", "sum:1.0", "argmax:0")
 

@@ -1,6 +1,6 @@
 """LORE-KV (arXiv 2610.07643): keep what the model's own continuations will need.
 
-The engine runs the lookahead (page_local/lookahead.py: S sampled futures of tau tokens whose
+The engine runs the lookahead (page_local/engine/lookahead.py: S sampled futures of tau tokens whose
 queries score every prompt position by its leave-one-out deletion cost) and hands the result to
 `select` as `inp.lookahead`; this class only aggregates it (docs/algorithms.md §4.4):
 
@@ -17,13 +17,43 @@ first) has weight 0.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
 from page_local.evictors.base import EvictionInput, Evictor
-from page_local.lookahead import LookaheadSpec
 
 WEIGHTINGS = ("uniform", "trajectory")
+PROJECTIONS = ("wo", "none", "gain")  # how the deletion cost weighs heads (engine/outproj.py)
+MAX_FUTURES = 8  # the engine's context holds this many extra sequences
+
+
+@dataclass(frozen=True)
+class LookaheadSpec:
+    futures: int = 4  # S
+    tokens: int = 32  # tau
+    temperature: float = 0.7
+    top_p: float = 0.95
+    seed: int = 0
+    projection: str = "wo"  # wo | none | gain (outproj.py)
+
+    def __post_init__(self) -> None:
+        def _int(name, lo, hi):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+
+        _int("futures", 1, MAX_FUTURES)
+        _int("tokens", 1, 512)
+        _int("seed", 0, 2**63 - 1)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) \
+                or not 0 < self.temperature <= 5:
+            raise ValueError(f"temperature must be in (0, 5], got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {', '.join(PROJECTIONS)}; got {self.projection!r}")
+
 
 
 class LoreKV(Evictor):

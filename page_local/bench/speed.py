@@ -1,0 +1,304 @@
+"""Benchmarks that print ratios measured side by side in one run (medians of alternated runs).
+
+Run them alone on the machine: with 2 threads on 2 cores, any other busy process ruins llama.cpp's
+thread synchronisation.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from page_local.engine.turn import N_SINK, TOP_K, W
+from page_local.errors import BenchError
+from page_local.native.runtime import Context, ContextConfig, Model
+from page_local.verify import VERIFY_CAP
+
+
+def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: int = 2, seed: int = 0,
+                   n_gpu_layers: int | str | None = None) -> dict:
+    """Wall time of a `tokens`-token prefill with and without the probe armed on the last W positions."""
+    if tokens <= W:
+        raise ValueError(f"--tokens must exceed the probe window ({W}), got {tokens}")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens).tolist()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    # random tokens, timed: positions past the trained context cost the same, so the length is not refused
+    with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
+            Context(model, ContextConfig(n_ctx=tokens + 64, threads=threads, allow_long_context=True)) as ctx:
+        device = ctx.placement()
+        ctx.decode(prompt[:64], 0, logits="none")  # warm-up: first graph build and allocation
+        for i in range(2 * repeats):
+            armed = bool(i % 2)
+            ctx.clear()
+            t0 = time.perf_counter()
+            ctx.decode(prompt[: tokens - W], 0, logits="none")
+            if armed:
+                ctx.page.arm_probe(0, TOP_K)
+            ctx.decode(prompt[tokens - W :], tokens - W)
+            if armed:
+                ctx.page.read_probe()
+            times[armed].append(time.perf_counter() - t0)
+    armed_s, plain_s = statistics.median(times[True]), statistics.median(times[False])
+    return {
+        "bench": "probe",
+        "tokens": tokens,
+        "threads": threads,
+        "repeats": repeats,
+        "unarmed_s": round(plain_s, 4),
+        "armed_s": round(armed_s, 4),
+        "ratio": round(armed_s / plain_s, 4),
+        "unarmed_runs": [round(t, 4) for t in times[False]],
+        "armed_runs": [round(t, 4) for t in times[True]],
+        "device": device,
+    }
+
+
+def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, new_tokens: int = 64,
+                   repeats: int = 3, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None) -> dict:
+    """Greedy decode tok/s after one `tokens`-token prefill, with the full cache vs after the engine's
+    eviction (gate forced open, SnapKV) to `budget`; alternated runs, medians.
+
+    The prefill runs once, through the engine's own steps (turn.Pipeline: the probe armed on the last
+    W positions); its sequence state is saved and restored before every run, so each run starts from
+    the same cache. The evicted run then does what Engine does when the gate opens: Pipeline.select and
+    Pipeline.evict_in_place (evict, compact, re-decode the last prompt token). Also returns the gate
+    decision latency: D + gate on the real probe (median).
+    """
+    from page_local.engine.turn import Pipeline, drop
+    from page_local.evictors import get_evictor
+    from page_local.evictors.base import resolve_budget
+    from page_local.gate import Gate
+
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= W:
+        raise ValueError(f"--tokens must be an int above the probe window ({W}), got {tokens!r}")
+    B = resolve_budget(budget, tokens, W, N_SINK)
+    if B >= tokens:
+        raise ValueError(f"budget {budget!r} keeps all {tokens} tokens: nothing to evict")
+    for name, v in (("new_tokens", new_tokens), ("repeats", repeats), ("threads", threads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
+    prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens).tolist()
+    snapkv = get_evictor("snapkv")
+    gate = Gate("page")
+    n_ctx = tokens + new_tokens + 64
+    with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
+            Context(model, ContextConfig(n_ctx=n_ctx, threads=threads, allow_long_context=True)) as ctx:
+        device = ctx.placement()
+        pipe = Pipeline(ctx, model)
+        t0 = time.perf_counter()
+        pre = pipe.prefill(prompt, 0, 0)
+        prefill_s = time.perf_counter() - t0
+        first = int(np.argmax(pre.logits))
+
+        gate_ms = []
+        for _ in range(max(11, repeats)):
+            g0 = time.perf_counter()
+            gate.decide(drop(pre.probe)[0])
+            gate_ms.append((time.perf_counter() - g0) * 1e3)
+
+        s0 = time.perf_counter()
+        state = ctx.seq_state(0)
+        save_ms = (time.perf_counter() - s0) * 1e3
+
+        def decode_run() -> float:
+            """tok/s of new_tokens greedy steps from the current cache (first token: the prefill's)."""
+            tok, pos = first, tokens
+            r0 = time.perf_counter()
+            for i in range(new_tokens):
+                ctx.decode([tok], pos + i, 0)
+                tok = int(np.argmax(ctx.logits()))
+            return new_tokens / (time.perf_counter() - r0)
+
+        # three configurations, alternated: full cache; evicted as the engine does it (evict, compact,
+        # re-decode the last prompt token); evicted without compaction (holes left in place)
+        runs: dict[str, list[float]] = {"full": [], "evicted": [], "evicted_nocompact": []}
+        restore_ms, evict_ms, compact_ms, kept = [], [], [], tokens
+        for i in range(3 * repeats):
+            mode = ("full", "evicted", "evicted_nocompact")[i % 3]
+            ctx.clear()
+            r0 = time.perf_counter()
+            ctx.set_seq_state(state, 0)
+            restore_ms.append((time.perf_counter() - r0) * 1e3)
+            if mode != "full":
+                e0 = time.perf_counter()
+                keep = pipe.select(snapkv, pre, B, {}, seed)
+                c_ms = pipe.evict_in_place(0, keep, pre.held, tokens - 1, prompt[-1], compact=mode == "evicted")
+                if mode == "evicted":
+                    compact_ms.append(c_ms)
+                evict_ms.append((time.perf_counter() - e0) * 1e3)
+                kept = ctx.cells_used(0)
+            runs[mode].append(decode_run())
+    full, ev = statistics.median(runs["full"]), statistics.median(runs["evicted"])
+    ev_nc = statistics.median(runs["evicted_nocompact"])
+    return {
+        "bench": "decode",
+        "tokens": tokens,
+        "budget": budget,
+        "kept": kept,
+        "new_tokens": new_tokens,
+        "threads": threads,
+        "repeats": repeats,
+        "full_tok_s": round(full, 2),
+        "evicted_tok_s": round(ev, 2),
+        "speedup": round(ev / full, 4),
+        "evicted_nocompact_tok_s": round(ev_nc, 2),
+        "speedup_nocompact": round(ev_nc / full, 4),
+        "compact_ms": round(statistics.median(compact_ms), 2),
+        "gate_ms": round(statistics.median(gate_ms), 3),
+        "gate_target_ms": 2.0,
+        "prefill_s": round(prefill_s, 3),
+        "state_save_ms": round(save_ms, 2),
+        "state_restore_ms": round(statistics.median(restore_ms), 2),
+        "evict_ms": round(statistics.median(evict_ms), 2),
+        "full_runs": [round(t, 2) for t in runs["full"]],
+        "evicted_runs": [round(t, 2) for t in runs["evicted"]],
+        "evicted_nocompact_runs": [round(t, 2) for t in runs["evicted_nocompact"]],
+        "device": device,
+    }
+
+
+_HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+
+
+def _needle_prompt(model, tokens: int) -> str:
+    """A single-needle prompt of at most `tokens` tokens of `model` (the needle in the middle)."""
+
+    def build(n_lines: int) -> str:
+        return ("Some special magic numbers are hidden within the following text.\n" + _HAY * (n_lines // 2)
+                + "One of the special magic numbers for cold-ocean is: 4817302.\n" + _HAY * (n_lines // 2)
+                + "What is the special magic number for cold-ocean mentioned in the provided text? "
+                "The special magic number for cold-ocean mentioned in the provided text is")
+
+    n_lines = max(2, tokens // 24)
+    while n_lines > 2 and len(model.tokenize(build(n_lines))) > tokens:
+        n_lines -= 4
+    return build(n_lines)
+
+
+def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP, repeats: int = 3,
+                threads: int = 2, prompt: str = "needle", n_gpu_layers: int | str | None = None) -> dict:
+    """Cost of self-verified eviction (the engine's check, scored by verify.verify_score): the extra batch
+    decode of the answer (up to its end or m tokens; `m_checked` says how many) over the evicted copy,
+    as a fraction of the prefill, on a prompt of about `tokens` tokens (median of repeats): "needle"
+    (a short answer: the check ends with it) or "random" (random token ids: the answer runs to m).
+    The threshold is set permissively so that the check always runs to completion."""
+    from page_local.engine.engine import Engine
+
+    if prompt not in ("needle", "random"):
+        raise ValueError(f"prompt must be 'needle' or 'random', got {prompt!r}")
+    ratios, verify_ms, prefill_ms, checked = [], [], [], []
+    with Engine(model_path, n_ctx=tokens + m + 256, budget=budget, gate="verify", threads=threads,
+                verify_tokens=m, verify_threshold=1e9, n_gpu_layers=n_gpu_layers, allow_long_context=True) as eng:
+        prompt = (_needle_prompt(eng.model, tokens) if prompt == "needle" else
+                  np.random.default_rng(0).integers(100, 4000, size=tokens).tolist())
+        for _ in range(repeats):
+            d = eng.generate(prompt, max_tokens=m + 1).decision
+            if d.verify_ms is None:
+                raise BenchError("self-verification did not run: the model ended its answer at once; use --prompt random")
+            verify_ms.append(d.verify_ms)
+            prefill_ms.append(d.prefill_ms)
+            checked.append(d.verify_m)
+            ratios.append(d.verify_ms / d.prefill_ms)
+        device = eng.placement
+    return {"bench": "verify", "tokens": d.T, "m": m, "m_checked": int(statistics.median(checked)),
+            "rule": d.verify_rule, "budget": budget, "threads": threads, "repeats": repeats,
+            "verify_ms": round(statistics.median(verify_ms), 2), "prefill_ms": round(statistics.median(prefill_ms), 1),
+            "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05, "device": device}
+
+
+def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 4, lookahead_tokens: int = 32,
+                    repeats: int = 3, threads: int = 2, n_gpu_layers: int | str | None = None) -> dict:
+    """LORE-KV's one-time cost beside SnapKV's: the time from the prompt to the eviction decision
+    (prefill + probe + gate + scoring + eviction + re-decode of the last prompt token), alternated
+    SnapKV / LORE-KV runs on the same needle prompt, gate forced open, medians."""
+    from page_local.engine.engine import Engine
+
+    runs: dict[str, list[dict]] = {"snapkv": [], "lorekv": []}
+    with Engine(model_path, n_ctx=tokens + 64 + futures * lookahead_tokens, budget=budget, gate="always",
+                threads=threads, n_gpu_layers=n_gpu_layers, allow_long_context=True) as eng:
+        device = eng.placement
+        prompt = _needle_prompt(eng.model, tokens)
+        for i in range(2 * repeats):
+            name = ("snapkv", "lorekv")[i % 2]
+            if name == "lorekv":
+                eng.set_evictor("lorekv", futures=futures, tokens=lookahead_tokens)
+            else:
+                eng.set_evictor("snapkv")
+            d = eng.generate(prompt, max_tokens=1).decision
+            if not d.evicted:
+                raise BenchError(f"nothing was evicted (T = {d.T} <= B = {d.B}); use a smaller budget")
+            runs[name].append(dict(total=d.prefill_ms + d.probe_ms + d.gate_ms + d.evict_ms, prefill=d.prefill_ms,
+                                   evict=d.evict_ms, lookahead=d.lookahead_ms or 0.0))
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    snap, lore = med("snapkv", "total"), med("lorekv", "total")
+    return {"bench": "lorekv", "tokens": d.T, "budget": budget, "futures": futures,
+            "lookahead_tokens": lookahead_tokens, "threads": threads, "repeats": repeats,
+            "snapkv_ms": round(snap, 1), "lorekv_ms": round(lore, 1), "ratio": round(lore / snap, 3),
+            "prefill_ms": round(med("snapkv", "prefill"), 1), "snapkv_evict_ms": round(med("snapkv", "evict"), 1),
+            "lorekv_evict_ms": round(med("lorekv", "evict"), 1), "lookahead_ms": round(med("lorekv", "lookahead"), 1),
+            "paper_ratio_range": [1.46, 2.77], "device": device}
+
+
+_MEMORY_CHILD = r"""
+import json, resource, sys
+import numpy as np
+kind, model_path, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+compact = sys.argv[5] == "1"
+n_gpu = sys.argv[6]  # "" = the default, else a count or "all"
+prompt = np.random.default_rng(0).integers(100, 4000, size=tokens).tolist()
+n_ctx = tokens + 64
+out = {"kind": kind}
+if kind == "page-local":
+    from page_local.engine import Engine
+    with Engine(model_path, n_ctx=n_ctx, budget=0.25, gate="always", threads=threads, compact=compact,
+                n_gpu_layers=n_gpu or None, allow_long_context=True) as eng:
+        r = eng.generate(prompt, max_tokens=8)
+        out.update(T=r.decision.T, kept=r.decision.kept, n_ctx=eng.n_ctx, device=eng.placement)
+else:
+    from page_local.native import pageops
+    pageops.llama_cpp()  # the same patched library, loaded through page_local
+    from llama_cpp import Llama
+    from page_local.native.runtime import default_n_gpu_layers, parse_n_gpu_layers
+    ngl = parse_n_gpu_layers(n_gpu) if n_gpu else default_n_gpu_layers()
+    llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_batch=512, flash_attn=True, verbose=False,
+                n_gpu_layers=ngl)
+    llm.create_completion(prompt, max_tokens=8, temperature=0.0)
+    out.update(T=tokens, kept=tokens, n_ctx=n_ctx)
+out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+
+def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool = True,
+                n_gpu_layers: int | str | None = None) -> dict:
+    """Peak RSS of page-local (prefill + eviction to 25 % + 8 tokens) vs stock llama-cpp-python
+    (prefill + 8 tokens) on the same random-token prompt, each in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    res = {}
+    for kind in ("llama-cpp-python", "page-local"):
+        p = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, kind, str(model_path), str(tokens), str(threads),
+                            "1" if compact else "0", "" if n_gpu_layers is None else str(n_gpu_layers)],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise BenchError(f"{kind} run failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+        res[kind] = json.loads(p.stdout.strip().splitlines()[-1])
+    pl, st = res["page-local"], res["llama-cpp-python"]
+    return {
+        "bench": "memory", "tokens": tokens, "threads": threads, "compact": compact,
+        "page_local_peak_rss_mb": round(pl["peak_rss_mb"], 1), "stock_peak_rss_mb": round(st["peak_rss_mb"], 1),
+        "ratio": round(pl["peak_rss_mb"] / st["peak_rss_mb"], 4), "target_ratio": 1.05,
+        "n_ctx": pl["n_ctx"], "T": pl["T"], "kept_after_eviction": pl["kept"],
+        "free_cells_full_cache": pl["n_ctx"] - pl["T"], "free_cells_after_eviction": pl["n_ctx"] - pl["kept"],
+        "note": "llama.cpp preallocates the KV cache for n_ctx: eviction frees cells for more tokens, not memory",
+        "device": pl["device"],
+    }

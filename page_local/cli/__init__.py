@@ -1,0 +1,29 @@
+"""`page-local`: the command line, a thin shell over the engine; one module per command (exit codes:
+0 ok, 2 usage, 1 runtime error; every error one line on stderr, never a traceback).
+
+click, rich and prompt_toolkit are imported only under page_local/cli/.
+"""
+
+from __future__ import annotations
+
+import click
+
+from page_local.cli.bench import bench_group
+from page_local.cli.calibrate import calibrate_cmd
+from page_local.cli.chat import chat_cmd
+from page_local.cli.common import show_llama_log
+from page_local.cli.eval import eval_group
+from page_local.cli.inspect import inspect_cmd
+from page_local.cli.models import models_cmd
+from page_local.cli.run import run_cmd
+
+
+@click.group()
+@click.version_option(package_name="page-local")
+def main():
+    """page-local: KV-cache eviction for llama.cpp, gated per input by PAGE."""
+    show_llama_log()
+
+
+for _command in (run_cmd, chat_cmd, models_cmd, calibrate_cmd, inspect_cmd, eval_group, bench_group):
+    main.add_command(_command)

@@ -1,0 +1,173 @@
+"""`page-local bench`: benchmarks that print ratios measured side by side in one run (run them alone on
+the machine); --json prints one JSON line, whose fields tests/test_cli.py pins at a tiny size."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from page_local import defaults
+from page_local.cli.common import (
+    BudgetType,
+    fail,
+    json_option,
+    model_option,
+    n_gpu_layers_option,
+    one_line_errors,
+    resolve_model,
+    threads_option,
+)
+from page_local.verify import VERIFY_CAP
+
+
+@click.group("bench")
+def bench_group():
+    """Benchmarks (run them alone: they print ratios measured side by side)."""
+
+
+def _bench(as_json: bool, run, describe) -> None:
+    """Run a benchmark: one JSON line with --json, else describe(result); one-line errors."""
+    with one_line_errors():
+        try:
+            res = run()
+        except RuntimeError as e:  # bench.speed's "this run measured nothing" (e.g. the answer ended at once)
+            fail(str(e), 1)
+    click.echo(json.dumps(res) if as_json else describe(res))
+
+
+@bench_group.command("probe")
+@model_option
+@click.option("--tokens", default=4096, show_default=True, type=click.IntRange(min=33))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@threads_option
+@n_gpu_layers_option
+@json_option()
+def bench_probe(model, tokens, repeats, threads, n_gpu_layers, as_json):
+    """Prefill time with the probe armed on the last 32 positions vs unarmed (target ratio <= 1.05)."""
+    from page_local.bench.speed import probe_overhead
+    from page_local.native.runtime import describe_placement
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: probe_overhead(path, tokens=tokens, repeats=repeats, threads=threads,
+                                           n_gpu_layers=n_gpu_layers),
+           lambda r: f"{tokens}-token prefill: unarmed {r['unarmed_s']:.3f} s, armed {r['armed_s']:.3f} s "
+                     f"(median of {repeats}), ratio {r['ratio']:.3f}; {describe_placement(r['device'])}")
+
+
+@bench_group.command("decode")
+@model_option
+@click.option("--tokens", default=8192, show_default=True, type=click.IntRange(min=33))
+@click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType())
+@click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@threads_option
+@n_gpu_layers_option
+@json_option()
+def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_layers, as_json):
+    """Decode tok/s after eviction to the budget (SnapKV, gate forced open) vs the full cache."""
+    from page_local.bench.speed import decode_speedup
+    from page_local.native.runtime import describe_placement
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: decode_speedup(path, tokens=tokens, budget=budget,
+                                           new_tokens=new_tokens, repeats=repeats, threads=threads,
+                                           n_gpu_layers=n_gpu_layers),
+           lambda r: f"{tokens}-token prompt, {new_tokens} new tokens: full cache {r['full_tok_s']:.1f} tok/s, "
+                     f"evicted to {r['kept']} {r['evicted_tok_s']:.1f} tok/s (median of {repeats}), "
+                     f"speedup {r['speedup']:.3f}; gate decision {r['gate_ms']:.2f} ms; "
+                     f"{describe_placement(r['device'])}")
+
+
+@bench_group.command("verify")
+@model_option
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=256))
+@click.option("--m", "m", default=VERIFY_CAP, show_default=True, type=click.IntRange(1, 256),
+              help="verify's cap: the answer is checked up to its end or this many tokens.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt", "prompt", default="needle", show_default=True, type=click.Choice(["needle", "random"]),
+              help="needle: a short answer (the check ends with it); random: random tokens, the check runs to --m.")
+@threads_option
+@n_gpu_layers_option
+@json_option()
+def bench_verify(model, tokens, m, repeats, prompt, threads, n_gpu_layers, as_json):
+    """Self-verification's extra decode as a fraction of the prefill (target <= 0.05)."""
+    from page_local.bench.speed import verify_cost
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: verify_cost(path, tokens=tokens, m=m, repeats=repeats, threads=threads,
+                                        prompt=prompt, n_gpu_layers=n_gpu_layers),
+           lambda r: f"{r['tokens']}-token prompt: verification of {r['m_checked']} tokens {r['verify_ms']:.1f} ms, "
+                     f"prefill {r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {repeats})")
+
+
+@bench_group.command("lorekv")
+@model_option
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=256))
+@click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType())
+@click.option("--futures", default=4, show_default=True, type=click.IntRange(1, 8))
+@click.option("--lookahead-tokens", default=32, show_default=True, type=click.IntRange(1, 512))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@threads_option
+@n_gpu_layers_option
+@json_option()
+def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, threads, n_gpu_layers, as_json):
+    """LORE-KV's one-time cost (prompt to eviction) as a ratio to SnapKV's (paper: 1.46-2.77x)."""
+    from page_local.bench.speed import lorekv_overhead
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: lorekv_overhead(path, tokens=tokens, budget=budget, futures=futures,
+                                            lookahead_tokens=lookahead_tokens, repeats=repeats, threads=threads,
+                                            n_gpu_layers=n_gpu_layers),
+           lambda r: f"{r['tokens']}-token prompt to eviction: SnapKV {r['snapkv_ms']:.0f} ms, LORE-KV "
+                     f"{r['lorekv_ms']:.0f} ms ({r['futures']} futures x {r['lookahead_tokens']} tokens: "
+                     f"{r['lookahead_ms']:.0f} ms), ratio {r['ratio']:.2f} (median of {repeats})")
+
+
+@bench_group.command("memory")
+@model_option
+@click.option("--tokens", default=8192, show_default=True, type=click.IntRange(min=256))
+@click.option("--compact/--no-compact", default=True, show_default=True,
+              help="compact the cache after eviction, as the engine does by default")
+@threads_option
+@n_gpu_layers_option
+@json_option()
+def bench_memory(model, tokens, compact, threads, n_gpu_layers, as_json):
+    """Peak RSS of page-local vs stock llama-cpp-python on the same prompt (target ratio <= 1.05)."""
+    from page_local.bench.speed import peak_memory
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: peak_memory(path, tokens=tokens, threads=threads, compact=compact,
+                                        n_gpu_layers=n_gpu_layers),
+           lambda r: f"peak RSS: page-local {r['page_local_peak_rss_mb']:.0f} MB, llama-cpp-python "
+                     f"{r['stock_peak_rss_mb']:.0f} MB, ratio {r['ratio']:.3f}; free cells in n_ctx {r['n_ctx']}: "
+                     f"{r['free_cells_full_cache']} full, {r['free_cells_after_eviction']} after eviction")
+
+
+@bench_group.command("peer")
+@model_option
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=256),
+              help="Prompt length target (chat template included), as `eval run --length`.")
+@click.option("--budget", default=defaults.BUDGET, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Kept ratio; kvpress gets compression_ratio = 1 - budget.")
+@click.option("--n", "n", default=20, show_default=True, type=click.IntRange(min=1), help="Needle prompts.")
+@click.option("--gen", default=32, show_default=True, type=click.IntRange(min=1), help="Greedy tokens per prompt.")
+@click.option("--seed", default=42, show_default=True, type=click.IntRange(min=0))
+@click.option("--kvpress-window", default=None, type=click.IntRange(min=1),
+              help="SnapKVPress window_size (default: kvpress's, 64; page-local's is 32).")
+@click.option("--kvpress-kernel", default=None, type=click.IntRange(min=1),
+              help="SnapKVPress kernel_size, odd (default: kvpress's, 5; 1 = no pooling, as page-local).")
+@threads_option
+@n_gpu_layers_option
+@json_option()
+def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kernel, threads, n_gpu_layers, as_json):
+    """page-local vs NVIDIA kvpress (SnapKVPress, PyTorch) on the same GGUF, budget and needle prompts:
+    time per prompt and accuracy. Needs the optional extra: pip install 'page-local[peer]'."""
+    from page_local.bench.peer import describe, peer_benchmark
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: peer_benchmark(path, tokens=tokens, budget=budget, n=n, gen=gen, threads=threads,
+                                           seed=seed, kvpress_window=kvpress_window, kvpress_kernel=kvpress_kernel,
+                                           progress=lambda m: click.echo(m, err=True), n_gpu_layers=n_gpu_layers),
+           describe)

@@ -1,0 +1,252 @@
+"""What every `page-local` command shares: the options written once (their defaults come from
+page_local.defaults), the --model resolution, reading a prompt, llama.cpp's log on stderr, and
+one-line errors (exit codes: 0 ok, 2 usage, 1 runtime error)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import click
+
+from page_local import defaults
+from page_local.errors import PageLocalError
+from page_local.evictors import EVICTORS
+from page_local.gate import GATE_MODES
+from page_local.store import models
+from page_local.verify import VERIFY_CAP
+
+# --- errors ------------------------------------------------------------------------------------
+
+def fail(message: str, code: int) -> None:
+    """One line on stderr and the exit code (1 runtime, 2 usage); never a traceback."""
+    click.echo(f"Error: {' '.join(str(message).split())}", err=True)
+    click.get_current_context().exit(code)
+
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Report what a command's body raises on purpose as one line: every PageLocalError (its message
+    says what to do) and OSError exit 1; a remaining ValueError is the engine refusing an input
+    (a budget too small for the prompt, ...) and exits 2 like a usage error."""
+    try:
+        yield
+    except (PageLocalError, OSError) as e:  # before ValueError: ModelError, ChatTemplateError... are both
+        fail(str(e), 1)
+    except ValueError as e:
+        fail(str(e), 2)
+
+
+# --- options -----------------------------------------------------------------------------------
+
+def model_option(f):
+    return click.option(
+        "--model", "model", metavar="PATH|NAME", default=None,
+        help="A GGUF file or a registered model name (see `page-local models`); "
+             "default: $PAGE_LOCAL_MODEL or the embedded SmolLM2.")(f)
+
+
+def parse_budget(text: str) -> float | int:
+    """'0.25' -> 0.25 (ratio of the positions), '1024' -> 1024 (absolute count); validated."""
+    from page_local.evictors.base import resolve_budget
+
+    text = text.strip()
+    try:
+        value: float | int = int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text)
+    except ValueError:
+        raise ValueError(f"budget {text!r} is neither a ratio like 0.25 nor a count like 1024") from None
+    resolve_budget(value, 10_000)  # validation only (T is not known yet): ValueError says what is wrong
+    return value
+
+
+class BudgetType(click.ParamType):
+    """A ratio with a decimal point ("0.25": keep a quarter) or an absolute count ("1024")."""
+
+    name = "budget"
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        try:
+            return parse_budget(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def budget_option(f):
+    return click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType(),
+                        help="Kept positions when the cache is evicted: a ratio (0.25) or a count (1024).")(f)
+
+
+def evictor_option(f):
+    return click.option("--evictor", default=defaults.EVICTOR, show_default=True,
+                        type=click.Choice(sorted(EVICTORS)))(f)
+
+
+def gate_option(f):
+    return click.option(
+        "--gate", "gate", default=defaults.GATE, show_default=True, type=click.Choice(list(GATE_MODES)),
+        help="verify: evict, and keep the eviction only if the answer matches the full cache's; page: evict "
+             "when PAGE says it is safe; page+verify: both; always / never: force it.")(f)
+
+
+def verify_tokens_option(f):
+    return click.option(
+        "--verify-tokens", "verify_tokens", default=VERIFY_CAP, show_default=True, type=click.IntRange(1, 256),
+        help="verify / page+verify: the most answer tokens decoded from the full cache and checked under "
+             "the evicted one before the eviction is committed (the check ends earlier when the answer "
+             "does). Answers longer than this are checked only on their start; the tokens before the "
+             "decision are decoded at full-cache speed.")(f)
+
+
+def n_ctx_option(f):
+    return click.option("--n-ctx", "n_ctx", default=defaults.N_CTX, show_default=True, type=click.IntRange(min=1),
+                        help="Context size in tokens; longer prompts do not fit.")(f)
+
+
+def threads_option(f):
+    return click.option("--threads", default=defaults.THREADS, show_default=True, type=click.IntRange(min=1))(f)
+
+
+def json_option(help: str = "print one JSON line"):
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+class GpuLayersType(click.ParamType):
+    """--n-gpu-layers: a whole number of layers (0 or more) or 'all'."""
+
+    name = "N|all"
+
+    def convert(self, value, param, ctx):
+        from page_local.native.runtime import parse_n_gpu_layers
+
+        if value is None or isinstance(value, int):
+            return value
+        try:
+            return parse_n_gpu_layers(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of layers (0 or more) nor 'all'", param, ctx)
+
+
+def n_gpu_layers_option(f):
+    return click.option(
+        "--n-gpu-layers", "n_gpu_layers", type=GpuLayersType(), default=None, metavar="N|all",
+        help="Layers to offload to the GPU: a count or 'all'. Default: $PAGE_LOCAL_N_GPU_LAYERS, else all "
+             "when the library has a GPU backend and a device (a CUDA or Metal build), else 0.")(f)
+
+
+def load_options(f):
+    """--n-gpu-layers and --allow-long-context, for commands that load a model into an Engine."""
+    f = click.option(
+        "--allow-long-context", "allow_long_context", is_flag=True,
+        help="Run with an --n-ctx larger than the model's trained context (refused otherwise: answers past "
+             "the trained length are unreliable).")(f)
+    return n_gpu_layers_option(f)
+
+
+def context_options(f):
+    """--n-ctx, --threads, --n-gpu-layers and --allow-long-context: what loading a model into a context takes."""
+    return n_ctx_option(threads_option(load_options(f)))
+
+
+def on_full_option(f):
+    return click.option(
+        "--on-full", "on_full", default=defaults.ON_FULL, show_default=True, type=click.Choice(["evict", "refuse"]),
+        help="A turn that does not fit n_ctx: evict earlier cells to make room (a message longer than the "
+             "context is read in parts), or refuse it.")(f)
+
+
+def engine_options(f):
+    """What every command that answers prompts takes: budget, evictor, gate, verify tokens, on-full, then
+    context_options (in --help in this order)."""
+    return budget_option(evictor_option(gate_option(verify_tokens_option(on_full_option(context_options(f))))))
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+def resolve_model(model: str | None) -> Path:
+    """--model (a path, a registry name, or None) -> a GGUF path; exit 1 if it is not installed,
+    2 for a name that is neither a file nor registered."""
+    with one_line_errors():
+        return models.resolve(model)
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """Exactly one of --prompt / --prompt-file, as non-empty UTF-8 text (usage errors otherwise)."""
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except UnicodeDecodeError as e:
+            raise click.BadParameter(f"{prompt_file} is not UTF-8 text ({e.reason} at byte {e.start})",
+                                     param_hint="'--prompt-file'") from None
+    if not prompt.strip():
+        raise click.BadParameter("the prompt is empty", param_hint="'--prompt' / '--prompt-file'")
+    return prompt
+
+
+def prompt_options(f):
+    f = click.option("--prompt-file", "prompt_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Read the prompt from a UTF-8 text file.")(f)
+    return click.option("--prompt", "prompt", default=None, help="The prompt text.")(f)
+
+
+def model_name(path: Path) -> str:
+    """The model's general.name from its GGUF metadata, else the file's stem."""
+    from page_local.store.gguf import gguf_metadata
+
+    try:
+        return str(gguf_metadata(path).get("general.name") or path.stem)
+    except (OSError, ValueError):
+        return path.stem
+
+
+# --- output ------------------------------------------------------------------------------------
+
+def console(stderr: bool = False):
+    """A rich console on the current stdout/stderr; unbounded width when piped, so tables stay greppable."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, highlight=False, width=None if stream.isatty() else 512)
+
+
+def progress(console, *columns):
+    """A rich progress display on `console`, shown only on a terminal (pipes and --json stay clean)."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *columns,
+                    console=console, transient=True, disable=not console.is_terminal)
+
+
+class _EchoHandler(logging.Handler):
+    """llama.cpp's records on the current stderr (click's, so that CliRunner captures it), one per line;
+    records already quoted in a one-line error (page_local_reported) are skipped."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "page_local_reported", False):
+            return
+        try:
+            level = {"DEBUG": "debug", "WARNING": "warning", "ERROR": "error", "CRITICAL": "error"}.get(
+                record.levelname, "info")
+            click.echo(f"llama.cpp {level}: {record.getMessage()}", err=True)
+        except Exception:  # noqa: BLE001
+            self.handleError(record)
+
+
+def show_llama_log() -> None:
+    """Show llama.cpp's warnings and errors on stderr (every line with PAGE_LOCAL_VERBOSE); idempotent."""
+    from page_local.native.llama_log import LOGGER_NAME, verbose
+
+    logger = logging.getLogger(LOGGER_NAME)
+    if not any(isinstance(h, _EchoHandler) for h in logger.handlers):
+        logger.addHandler(_EchoHandler())
+    for h in logger.handlers:
+        if isinstance(h, _EchoHandler):
+            h.setLevel(logging.DEBUG if verbose() else logging.WARNING)

@@ -1,0 +1,60 @@
+"""`page-local run`: answer one prompt; the answer streams to stdout, what the cache went through to
+stderr (or everything as one JSON object with --json)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from page_local import defaults
+from page_local.cli import narrate
+from page_local.cli.common import (
+    engine_options,
+    model_option,
+    one_line_errors,
+    prompt_options,
+    read_prompt,
+    resolve_model,
+)
+
+
+@click.command("run")
+@model_option
+@prompt_options
+@engine_options
+@click.option("--max-tokens", default=defaults.MAX_TOKENS, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5), help="0 = greedy.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--json", "as_json", is_flag=True,
+              help='print one JSON object {"text", "finish_reason", "decision", "tokens_per_s", "device"}')
+def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers,
+            allow_long_context, max_tokens, temperature, seed, as_json):
+    """Answer one prompt; with --json, also what the gate and the evictor did."""
+    prompt = read_prompt(prompt, prompt_file)
+    path = resolve_model(model)
+
+    from page_local.engine.engine import Engine, Sampling
+    from page_local.native.runtime import describe_placement
+
+    with one_line_errors():
+        with Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads, seed=seed,
+                    verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, on_full=on_full,
+                    allow_long_context=allow_long_context) as eng:
+            device = eng.placement
+            if eng.profile_warning:
+                click.echo(f"warning: {eng.profile_warning}", err=True)
+            stream = eng.stream(prompt, max_tokens=max_tokens, sampling=Sampling(temperature=temperature, seed=seed))
+            for piece in stream:
+                if not as_json:
+                    click.echo(piece, nl=False)
+            res = stream.result
+    d = res.decision
+    if as_json:
+        click.echo(json.dumps({"text": res.text, "finish_reason": res.finish_reason, "decision": d.to_dict(),
+                               "tokens_per_s": round(res.tokens_per_s, 2), "device": device}))
+        return
+    click.echo("")
+    if d.gate_note:
+        click.echo(f"warning: {d.gate_note}", err=True)
+    click.echo(f"[{narrate.summary(res)}; {describe_placement(device)}]", err=True)

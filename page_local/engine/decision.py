@@ -1,0 +1,83 @@
+"""What a turn returns: the Decision (what the gate, the evictor and self-verification did), the Result
+(the answer and how it ended) and the Sampling settings a caller passes in."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Decision:
+    """What the gate and the evictor did on one turn."""
+
+    T: int  # tokens of the conversation after this turn's prompt (the cells a full cache would hold)
+    B: int  # budget (kept positions if the gate opens and T > B)
+    D: float | None  # PAGE's drop (None when the probe did not run)
+    z: float | None  # calibrated score, when the model has a profile
+    open: bool  # the gate's decision
+    evicted: bool  # eviction actually ran (open and T > B)
+    kept: int  # positions held after the decision
+    compression: float  # T / kept
+    gate_mode: str
+    rule: str  # raw | calibrated | forced
+    reason: str  # plain words
+    evictor: str
+    prefill_ms: float = 0.0
+    probe_ms: float = 0.0  # reading the probe result
+    gate_ms: float = 0.0  # signal + gate
+    evict_ms: float = 0.0  # selection + eviction + re-decode of the last prompt token
+    agreement: list[float] = field(default_factory=list)  # per-layer head agreement
+    # self-verified eviction (gate modes "verify" and "page+verify"); None when it did not run
+    verify_m: int | None = None  # answer tokens checked (the span; its end-of-generation not counted)
+    verify_until: str | None = None  # end (the answer ended in the span: its end was checked too) | cap | length
+    verify_rule: str | None = None  # verify.RULES: how the span was scored
+    verify_score: float | None = None  # the rule's score over the span
+    verify_threshold: float | None = None  # score <= threshold commits the eviction
+    verify_delta: float | None = None  # mean over the span of log p_full - log p_evicted (nats/token)
+    verify_max: float | None = None  # the largest per-token loss (nats)
+    verify_changed: int | None = None  # positions where the evicted cache's top token differs
+    verify_top1: float | None = None  # fraction of positions the evicted cache ranks the same token first
+    verify_kl_first: float | None = None  # KL(p_full || p_evicted) of the first generated token
+    verify_ms: float | None = None  # the extra batch decode and the comparison
+    lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms)
+    gate_note: str | None = None  # a calibrated gate used far outside its pilot's prompt lengths
+    # room on demand (engine/room.py): the turn did not fit and earlier cells were evicted, unchecked
+    room_evicted: int = 0  # cells of earlier turns evicted to make room (before the prompt and while answering)
+    room_from: tuple[int, int] | None = None  # the lowest and highest position evicted to make room
+    chunks: int = 1  # the prompt was prefilled in this many pieces (a message longer than the context)
+    prompt_tokens: int | None = None  # this turn's prompt tokens (set when room was made)
+    prompt_held: int | None = None  # of them, how many the cache holds after prefill
+    gaps_closed: int = 0  # positions the cells moved down to stay inside the trained context
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    decision: Decision
+    finish_reason: str  # stop | length | context | interrupted
+    prompt_tokens: int
+    gen_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.gen_s if self.gen_s > 0 else 0.0
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 5):
+            raise ValueError(f"temperature must be in [0, 5], got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")

@@ -1,0 +1,623 @@
+"""The engine: one turn of PAGE-gated eviction on llama.cpp, and the API desktop apps embed.
+
+A turn (docs/design.md §5, "One turn through the engine"; every step is a turn.Pipeline method):
+  1. tokenize; prefill: decode prompt[:-W], then prompt[-W:] as one batch with the probe armed;
+  2. D = signal.drop(probe); the base gate (gate.BASE_MODE) decides open or closed;
+  3. open and T > B: keep = evictor.select(...). Gate modes page/always evict now (in place, the last
+     prompt token re-decoded so the first sampled token sees the compressed cache); the verify modes
+     build the evicted copy as a candidate and generate from the full cache until the answer ends or
+     verify_tokens, then teacher-force those tokens on the candidate in one batch and commit it only
+     if verify.verify_score passes;
+  4. generate with our own sampler loop (llama-cpp-python's Llama.generate assumes contiguous
+     positions, which an evicted sequence does not have).
+
+    with Engine(budget=0.25) as eng:
+        out = eng.generate("Summarise: ...", max_tokens=64)
+        print(out.text, out.decision.evicted, out.decision.D)
+
+        stream = eng.stream("And in one line?")   # continues the conversation
+        for piece in stream:
+            print(piece, end="")
+        print(stream.result.finish_reason)
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from page_local import defaults
+from page_local.engine.decision import Decision, Result, Sampling
+from page_local.engine import room as room_mod
+from page_local.engine.room import check_on_full
+from page_local.engine.turn import N_SINK, W, Pipeline, Prefilled, supported
+from page_local.errors import ContextFull, EngineBusy, StateFileError
+from page_local.evictors import get_evictor
+from page_local.evictors.base import resolve_budget
+from page_local.evictors.lorekv import MAX_FUTURES
+from page_local.gate import BASE_MODE, VERIFY_MODES, Gate, check_gate_mode
+from page_local.native.runtime import Context, ContextConfig, Model
+from page_local.native.sampler import make_sampler, sample
+from page_local.store import models
+from page_local.store.persist import Snapshot
+from page_local.store.gguf import model_identity
+from page_local.verify import VERIFY_CAP, VERIFY_RULE, check_rule, kl, logp, top_token
+
+__all__ = ["Decision", "Engine", "Result", "Sampling", "Stream"]
+
+
+class Stream:
+    """One turn's answer as it is generated: iterate it for text pieces.
+
+    .decision is set once the prompt is prefilled and gated (before the first piece); under the verify
+    modes it is updated when the check decides. .result is set when the iteration ends, also when it is
+    interrupted or closed early (finish_reason "interrupted")."""
+
+    def __init__(self, run: Callable[[Stream], Iterator[str]] | None = None):
+        self.decision: Decision | None = None
+        self.result: Result | None = None
+        self._gen = run(self) if run is not None else iter(())
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def close(self) -> None:
+        """Stop generating: the tokens yielded so far stay in the conversation (finish "interrupted")."""
+        self._gen.close()
+
+    @property
+    def running(self) -> bool:
+        return bool(getattr(self._gen, "gi_running", False))
+
+
+class Engine:
+    """A model, a context and the PAGE pipeline. Not thread-safe: use one engine per thread."""
+
+    def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = defaults.N_CTX,
+                 budget: float | int = defaults.BUDGET, evictor: str = defaults.EVICTOR, gate: str = defaults.GATE,
+                 threads: int = defaults.THREADS, flash_attn: str = "auto",
+                 type_kv: str = "f16", seed: int = 0, evictor_options: dict | None = None,
+                 verify_tokens: int = VERIFY_CAP, verify_threshold: float | None = None,
+                 verify_rule: str = VERIFY_RULE, compact: bool = True,
+                 n_gpu_layers: int | str | None = None, allow_long_context: bool = False,
+                 on_full: str = defaults.ON_FULL):
+        path = Path(model) if model is not None else models.default_model_path()
+        self.set_verify(verify_tokens, verify_threshold, verify_rule)
+        self.compact = bool(compact)
+        # what a turn that does not fit does: "evict" earlier turns (room.py), or "refuse" (ContextFull)
+        self.on_full = check_on_full(on_full)
+        self.n_keep = 0  # positions below it are never evicted to make room (ChatSession: the system prompt)
+        self.set_budget(budget)
+        self._evictor = supported(get_evictor(evictor, **(evictor_options or {})))
+        self.gate_mode = check_gate_mode(gate)  # validates the mode before loading anything
+        # n_gpu_layers: a count, 'all', or None = $PAGE_LOCAL_N_GPU_LAYERS, else all on a GPU build, else 0
+        # (Model validates it before loading anything)
+        self.seed = seed
+        self._lock = threading.Lock()
+        self._active: Stream | None = None  # the stream holding the lock, if one is suspended mid-answer
+        self.model = Model(path, n_gpu_layers=n_gpu_layers)
+        try:
+            self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, flash_attn=flash_attn,
+                                                         type_kv=type_kv, n_seq_max=1 + MAX_FUTURES,
+                                                         allow_long_context=allow_long_context))
+        except Exception:
+            self.model.close()
+            raise
+        try:
+            self.ctx.cells_used(0)  # UnsupportedModel now (no KV cache: encoder-only...), not on the first turn
+        except Exception:
+            self.close()
+            raise
+        self.model_id = model_identity(path)
+        self.gate = Gate.for_model(self.model_id, BASE_MODE[gate])
+        self.profile_warning = self.gate.warning
+        self.history: list[int] = []  # tokens in seq 0, in order (evicted ones included)
+        self._pos: list[int] = []  # the position of each history token (its index until gaps are closed)
+        self.pipeline = Pipeline(self.ctx, self.model)  # the turn's steps (turn.py), shared with eval and bench
+
+    # --- settings ----------------------------------------------------------------------------
+    def set_budget(self, budget: float | int) -> None:
+        resolve_budget(budget, 10_000, W, N_SINK)  # validates (ratio or absolute) before use
+        self.budget = budget
+
+    def set_evictor(self, name: str, **options) -> None:
+        self._evictor = supported(get_evictor(name, **options))
+
+    def set_gate(self, mode: str) -> None:
+        """page | always | never | verify | page+verify (see GATE_MODES)."""
+        self.gate_mode = check_gate_mode(mode)
+        self.gate = Gate(BASE_MODE[mode], self.gate.profile)
+
+    def set_verify(self, tokens: int = VERIFY_CAP, threshold: float | None = None, rule: str = VERIFY_RULE) -> None:
+        """tokens: the most answer tokens checked (the check ends earlier with the answer); rule and
+        threshold: verify.RULES (threshold None = the rule's default)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= 256:
+            raise ValueError(f"verify_tokens must be an int in [1, 256], got {tokens!r}")
+        rule, threshold = check_rule(rule, threshold)
+        self.verify_tokens, self.verify_threshold, self.verify_rule = tokens, threshold, rule
+
+    @property
+    def evictor(self) -> str:
+        return self._evictor.name
+
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    @property
+    def placement(self) -> dict:
+        """Which device holds the layers and the KV cache: {"layers", "kv_cache", "n_gpu_layers", ...}."""
+        return self.ctx.placement()
+
+    def rewind(self, n_tokens: int) -> None:
+        """Forget the conversation after its first n_tokens tokens (history[n_tokens:] and their cells):
+        what a client that resends a conversation with a different ending needs. Position i holds
+        history[i], so the cells kept are those of the prefix, with whatever eviction left of it."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= len(self.history):
+            raise ValueError(f"n_tokens must be an int in [0, {len(self.history)}], got {n_tokens!r}")
+        with self._busy():
+            if n_tokens == 0:
+                self.reset()
+                return
+            if n_tokens < len(self.history):
+                self.ctx.seq_rm(0, self._pos[n_tokens], -1)
+            del self.history[n_tokens:], self._pos[n_tokens:]
+
+    def snapshot(self) -> Snapshot:
+        """The conversation's cache and token history, copied to host memory (see restore)."""
+        return Snapshot(model_id=self.model_id, n_ctx=self.n_ctx, history=tuple(self.history),
+                        positions=tuple(int(p) for p in self.ctx.page.positions(0)), state=self.ctx.seq_state(0),
+                        history_pos=None if self._pos == list(range(len(self._pos))) else tuple(self._pos))
+
+    def restore(self, snap: Snapshot) -> None:
+        """Replace the conversation with a snapshot (of this model, fitting this n_ctx). StateFileError if
+        it cannot be restored; the conversation is then the one before the call, never half restored."""
+        if snap.model_id != self.model_id:
+            raise StateFileError(f"the cache was saved with another model ({snap.model_id}), not the loaded one "
+                                 f"({self.model_id})")
+        if len(snap.positions) + 1 > self.n_ctx:
+            raise StateFileError(f"the cache holds {len(snap.positions)} cells; this engine's n_ctx is {self.n_ctx}")
+        with self._busy():
+            self._restore(snap)
+
+    def _restore(self, snap: Snapshot) -> None:
+        before = self.snapshot() if self.history else None
+        why = None
+        self.reset()
+        try:
+            self.ctx.set_seq_state(snap.state, 0)
+            if tuple(int(p) for p in self.ctx.page.positions(0)) != snap.positions:
+                why = "the restored cache does not hold the saved positions"
+        except Exception as e:  # noqa: BLE001 -- llama.cpp's refusal, told in the message
+            why = f"llama.cpp refused the cache: {e}"
+        if why is None:
+            self.history = list(snap.history)
+            self._pos = list(snap.history_pos) if snap.history_pos else list(range(len(snap.history)))
+            return
+        self.reset()
+        if before is not None:  # put the conversation back as it was
+            self.ctx.set_seq_state(before.state, 0)
+            self.history = list(before.history)
+            self._pos = list(before.history_pos) if before.history_pos else list(range(len(before.history)))
+        raise StateFileError(why)
+
+    def cells_used(self) -> int:
+        return self.ctx.cells_used(0)
+
+    def reset(self) -> None:
+        """Forget the conversation: the KV cache is cleared."""
+        self.ctx.clear()
+        self.history = []
+        self._pos = []
+
+    # --- one turn ----------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS, sampling: Sampling | None = None,
+               add_special: bool = True) -> Stream:
+        """Continue the conversation with `prompt`; returns a Stream of text pieces (see Stream)."""
+        def run(out: Stream) -> Iterator[str]:
+            with self._busy():
+                self._active = out
+                try:
+                    yield from self._turn(prompt, max_tokens, sampling or Sampling(), add_special, out)
+                finally:
+                    self._active = None
+        return Stream(run)
+
+    def generate(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS,
+                 sampling: Sampling | None = None, on_text: Callable[[str], None] | None = None,
+                 add_special: bool = True) -> Result:
+        """Run one turn on a fresh cache (the conversation is reset first) and return the Result."""
+        out = Stream()  # holds the decision and the result
+        # Take the lock before reset(): a second thread must get EngineBusy, not clear the cache under
+        # the turn that is running.
+        with self._busy():
+            self.reset()
+            for piece in self._turn(prompt, max_tokens, sampling or Sampling(), add_special, out):
+                if on_text:
+                    on_text(piece)
+        return out.result
+
+    def measure(self, prompt: str | list[int], add_special: bool = True) -> Decision:
+        """Prefill `prompt` on a fresh cache, probe and gate it, without evicting or generating
+        (for calibration and inspection)."""
+        with self._busy():
+            self.reset()
+            toks = self._tokens(prompt, add_special)
+            if len(toks) + 1 > self.ctx.n_ctx:
+                raise ContextFull(0, len(toks) + 1, self.ctx.n_ctx)
+            dec, _ = self._prefill_and_gate(toks, select=False)
+            return dec
+
+    def prefill(self, prompt: str | list[int], add_special: bool = True) -> Decision:
+        """Append `prompt` to the conversation without generating (a replayed conversation, a system
+        prompt). The gate runs as for a live turn under page/always; under the verify modes the speed
+        budget evicts nothing (there is no answer to check the candidate on) and the Decision says so.
+        A prompt that does not fit is handled by the context policy (on_full), as a live turn's."""
+        with self._busy():
+            toks = self._tokens(prompt, add_special)
+            verify = self.gate_mode in VERIFY_MODES
+            dec, _ = self._fit_and_prefill(toks, 1, evict_now=True, select=not verify)
+            if verify:
+                dec.reason = ("prefilled without an answer: self-verification has nothing to check, so the "
+                              "speed budget evicted nothing")
+            return dec
+
+    def _busy(self):
+        engine = self
+
+        class _Held:
+            def __enter__(self):
+                if not engine._lock.acquire(blocking=False):
+                    raise EngineBusy("this Engine is already generating in another thread; use one Engine per thread")
+
+            def __exit__(self, *exc):
+                engine._lock.release()
+
+        return _Held()
+
+    def _tokens(self, prompt: str | list[int], add_special: bool) -> list[int]:
+        if self.ctx is None:
+            raise ValueError("this Engine is closed")
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty")
+            toks = self.model.tokenize(prompt, add_special=add_special and not self.history)
+        else:
+            toks = [int(t) for t in prompt]
+            if not toks:
+                raise ValueError("the prompt is empty")
+            bad = [t for t in toks if not 0 <= t < self.model.n_vocab]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.model.n_vocab - 1})")
+        return toks
+
+    def _turn(self, prompt, max_tokens: int, sampling: Sampling, add_special: bool, stream: Stream) -> Iterator[str]:
+        sampling.validate()
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        toks = self._tokens(prompt, add_special)
+        ctx = self.ctx
+        # room kept for the answer when room is made; the verify modes also need the candidate's copy of it
+        reserve = min(max_tokens, max(1, ctx.n_ctx // 4))
+        if self.gate_mode in VERIFY_MODES:
+            reserve += min(max_tokens, self.verify_tokens) + 1
+        dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
+        stream.decision = dec
+
+        # generation: sample, decode, then yield, so that what the caller has seen is in the cache
+        sampler = make_sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        out: list[int] = []
+        full_logits: list[np.ndarray] = []  # f32 (n_vocab,) of the full cache at each step, while verifying
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        finish = "length"
+        t0 = time.perf_counter()
+        used = self.cells_used()  # kept up to date below: no native scan of the cells per token
+        try:
+            for _ in range(max_tokens):
+                if plan is not None:
+                    full_logits.append(ctx.logits())
+                tok = sample(sampler, ctx)
+                if self.model.is_eog(tok):
+                    finish = "stop"
+                    if plan is not None and out:  # the answer ended inside the span: check it, end included
+                        self._verify(dec, plan, out, full_logits, end=tok)
+                        plan = None
+                    break
+                if used + 1 > ctx.n_ctx or ctx.seq_pos_max(0) + 1 >= self._pos_limit():
+                    # the answer outgrew the context: make room as before a message (never while a
+                    # verification is pending: its candidate shares these cells)
+                    if plan is not None or self.on_full != "evict" or not self._room_for_answer(dec, reserve):
+                        finish = "context"
+                        break
+                    used = self.cells_used()
+                pos = ctx.seq_pos_max(0) + 1
+                ctx.decode([tok], pos, 0)
+                used += 1
+                self.history.append(tok)
+                self._pos.append(pos)
+                out.append(tok)
+                if plan is not None and len(out) == self.verify_tokens:  # the cap: decide on what there is
+                    self._verify(dec, plan, out, full_logits, until="cap")
+                    plan = None
+                    used = self.cells_used()
+                piece = decoder.decode(self.model.token_to_piece(tok))
+                if piece:
+                    yield piece
+            if plan is not None and out:  # max_tokens or a full context before the cap: check what there is
+                self._verify(dec, plan, out, full_logits[: len(out)], until="length")
+                plan = None
+            tail = decoder.decode(b"", final=True)
+            if tail:
+                yield tail
+        except (GeneratorExit, KeyboardInterrupt):
+            finish = "interrupted"
+            raise
+        finally:
+            ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
+            sampler.close()
+            gen_s = time.perf_counter() - t0
+            stream.result = Result(self.model.detokenize(out), out, dec, finish, len(toks), gen_s)
+
+    def _verify(self, dec: Decision, plan: tuple, out: list[int], full_logits: list[np.ndarray],
+                end: int | None = None, until: str = "end") -> None:
+        """Self-verified eviction: teacher-force the generated tokens on an evicted copy of the sequence
+        (seq 1, sharing the prompt's cells) in one batch and score them (Pipeline.verify_span); commit
+        the copy iff it passes. end: the end-of-generation token the full cache chose after out (then
+        full_logits has one more entry, and the candidate must end the answer there too). Updates dec."""
+        ctx, pipe = self.ctx, self.pipeline
+        keep, held, last_pos, last_tok = plan
+        m = len(out)
+        t0 = time.perf_counter()
+        dec.verify_threshold, dec.verify_rule = self.verify_threshold, self.verify_rule
+        if self.cells_used() + m + 1 > ctx.n_ctx:
+            dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
+            return
+        y = list(out) + ([end] if end is not None else [])
+        k = len(y)  # positions: m answer tokens (+ the answer's end)
+        _, ev_logits = pipe.candidate(keep, held, last_pos, [last_tok] + out, src=0, dst=1, logits="all")
+        ev_logits = ev_logits[:k]
+        full_logits = full_logits[:k]
+        lp_full = [logp(lg, t) for lg, t in zip(full_logits, y)]
+        top_full = [top_token(lg, self.model.is_eog) for lg in full_logits]
+        v, _, changed = pipe.verify_span(lp_full, ev_logits, y, top_full, self.verify_rule, self.verify_threshold)
+        commit = v.passed
+        if commit:  # the candidate already holds the m tokens: it becomes the sequence
+            ctx.seq_rm(0, -1, -1)
+            ctx.seq_cp(1, 0)
+            ctx.seq_rm(1, -1, -1)
+            # the last output of the batch above is the evicted cache's next-token distribution;
+            # compaction would rewrite the cells and lose it, so re-decode the newest token after it
+            if self.compact:
+                p = ctx.seq_pos_max(0)
+                ctx.seq_rm(0, p, p + 1)
+                ctx.page.compact(0)
+                ctx.decode([out[-1]], p, 0)
+        else:
+            ctx.seq_rm(1, -1, -1)
+            p = ctx.seq_pos_max(0)  # restore seq 0's next-token logits
+            ctx.seq_rm(0, p, p + 1)
+            ctx.decode([out[-1]], p, 0)
+        dec.verify_m, dec.verify_until = m, until
+        dec.verify_score, dec.verify_delta, dec.verify_max, dec.verify_changed = v.score, v.mean, v.max, v.changed
+        dec.verify_top1, dec.verify_kl_first = float(1.0 - changed.mean()), kl(full_logits[0], ev_logits[0])
+        dec.verify_ms = (time.perf_counter() - t0) * 1e3
+        dec.evicted = commit
+        dec.kept = self.cells_used() - m  # prompt positions held after the decision
+        dec.compression = dec.T / dec.kept if dec.kept else 1.0
+        span = {"end": f"the whole answer ({m} tokens and its end)", "cap": f"the first {m} tokens (the cap)",
+                "length": f"all {m} tokens generated"}[until]
+        dec.reason += (f"; self-verification over {span}: {v.describe()}, "
+                       + ("eviction committed" if commit else "kept the full cache"))
+
+    # --- context policy (room.py) -------------------------------------------------------------------
+    def _fit_and_prefill(self, toks: list[int], reserve: int, evict_now: bool,
+                         select: bool = True) -> tuple[Decision, tuple | None]:
+        """Prefill a turn that may not fit: refuse (on_full "refuse"), or make room by evicting earlier
+        turns, and prefill a message longer than the context in chunks with room made between them.
+        Interrupted or failed, the conversation is left as it was before the message."""
+        ctx, n_ctx = self.ctx, self.ctx.n_ctx
+        used = self.cells_used()
+        fits = used + len(toks) + reserve + 1 <= n_ctx
+        if self.on_full == "refuse" or (fits and ctx.seq_pos_max(0) + len(toks) + reserve < self._pos_limit()):
+            if used + len(toks) + 1 > n_ctx:
+                raise ContextFull(used, len(toks) + 1, n_ctx)
+            return self._prefill_and_gate(toks, evict_now=evict_now, select=select)
+        before = self.snapshot() if self.history else None
+        room = {"evicted": 0, "chunks": 1, "closed": 0, "from": None}
+        try:
+            cap = n_ctx - 1 - reserve  # cells for the conversation and this message before its answer
+            held, tokens = self._held_tokens()
+            hard = room_mod.hard_protected(held, tokens, self.n_keep, self.model.is_control)
+            if hard + W + N_SINK + 4 > cap:
+                raise ContextFull(used, len(toks) + 1, n_ctx)
+            size = max(W + 1, (cap - hard) // 2)  # a chunk: half of what room-making can free
+            parts = _chunks(toks, size) if used + len(toks) + reserve + 1 > n_ctx and len(toks) > size else [toks]
+            probe = None
+            for part in parts[:-1]:
+                self._make_room(len(part), room, probe)
+                self._close_gaps(len(part), room)
+                pos0 = ctx.seq_pos_max(0) + 1
+                probe = self.pipeline.prefill(part, pos0, 0).probe  # its newest queries rank the next room
+                self.history.extend(part)
+                self._pos.extend(range(pos0, pos0 + len(part)))
+            room["chunks"] = len(parts)
+            self._make_room(len(parts[-1]) + reserve, room, probe)
+            self._close_gaps(len(parts[-1]) + reserve, room)
+            dec, plan = self._prefill_and_gate(parts[-1], evict_now=evict_now, select=select)
+        except BaseException:
+            self.reset()
+            if before is not None:  # the message never happened
+                self._restore(before)
+            raise
+        prompt_pos = np.asarray(self._pos[len(self.history) - len(toks):], dtype=np.int64)
+        dec.prompt_tokens, dec.prompt_held = len(toks), int(np.isin(prompt_pos, self.ctx.page.positions(0)).sum())
+        dec.room_evicted, dec.chunks, dec.gaps_closed = room["evicted"], room["chunks"], room["closed"]
+        dec.room_from = room["from"]
+        return dec, plan
+
+    def _pos_limit(self) -> int:
+        """The first position past what the model was trained on (no limit when unknown)."""
+        return self.model.n_ctx_train if self.model.n_ctx_train > 0 else 1 << 62
+
+    def _held_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """(i32 positions held, the token at each)."""
+        held = self.ctx.page.positions(0)
+        idx = np.searchsorted(np.asarray(self._pos, dtype=np.int64), held)
+        return held, np.asarray(self.history, dtype=np.int64)[idx] if held.size else np.zeros(0, np.int64)
+
+    def _make_room(self, need: int, room: dict, probe=None) -> None:
+        """Evict earlier cells (room.py) so that `need` more fit; ContextFull when the protected ones
+        alone leave too little."""
+        ctx, n_ctx = self.ctx, self.ctx.n_ctx
+        held, tokens = self._held_tokens()
+        if held.size + need + 1 <= n_ctx:
+            return
+        target = room_mod.target_cells(n_ctx, need)
+        prot = room_mod.protected(held, tokens, self.n_keep, n_ctx, self.model.is_control)
+        if prot.sum() > target:  # the latest turns are protected only as long as there is room for them
+            prot = room_mod.protected(held, tokens, self.n_keep, 0, self.model.is_control)
+        if prot.sum() + 4 > target:
+            raise ContextFull(int(held.size), need + 1, n_ctx)
+        if probe is None or not np.isin(probe.queries, held).all():
+            win = room_mod.window_of(held)  # re-decode the newest queries with the probe armed
+            ctx.seq_rm(0, int(win[0]), -1)
+            probe = self.pipeline.prefill(tokens[-win.size:].tolist(), int(win[0]), 0).probe
+        ev = self._evictor if self._evictor.needs <= {"probe"} else get_evictor("snapkv")
+        pre = Prefilled(probe=probe, held=held, logits=np.zeros(0, np.float32), prefill_attention=None)
+        # the evictor ranks the unprotected cells; what it keeps of the protected ones costs it nothing
+        keep = np.union1d(self.pipeline.select(ev, pre, target - int(prot.sum()) + W + N_SINK, {}, self.seed),
+                          held[prot])
+        drop = np.setdiff1d(held, keep, assume_unique=True)
+        if drop.size:
+            ctx.page.evict(0, drop)
+            if self.compact:
+                ctx.page.compact(0)
+            room["evicted"] += int(drop.size)
+            lo, hi = int(drop.min()), int(drop.max())
+            room["from"] = (lo, hi) if room["from"] is None else (min(lo, room["from"][0]), max(hi, room["from"][1]))
+        if self.cells_used() + need + 1 > n_ctx:
+            raise ContextFull(self.cells_used(), need + 1, n_ctx)
+
+    def _room_for_answer(self, dec: Decision, reserve: int) -> bool:
+        """Make room while the answer is generated; True when there is room for one more token."""
+        room = {"evicted": 0, "chunks": 1, "closed": 0, "from": None}
+        try:
+            self._make_room(reserve, room)
+        except ContextFull:
+            return False
+        self._close_gaps(reserve, room)
+        dec.room_evicted += room["evicted"]
+        dec.gaps_closed += room["closed"]
+        return self.cells_used() + 1 <= self.ctx.n_ctx and self.ctx.seq_pos_max(0) + 1 < self._pos_limit()
+
+    def _close_gaps(self, need: int, room: dict) -> None:
+        """Renumber the held cells 0..n-1 when `need` more positions would pass the trained context."""
+        ctx = self.ctx
+        if ctx.seq_pos_max(0) + 1 + need < self._pos_limit() or not ctx.can_shift():
+            return
+        held = ctx.page.positions(0)
+        for p0, p1, delta in room_mod.gap_runs(held):
+            ctx.seq_add(0, p0, p1, delta)
+        room["closed"] += int(held[-1]) + 1 - int(held.size) if held.size else 0
+        self._pos = room_mod.renumber(np.asarray(self._pos, dtype=np.int64), held).tolist()
+
+    def _prefill_and_gate(self, toks: list[int], evict_now: bool = True,
+                          select: bool = True) -> tuple[Decision, tuple | None]:
+        """Prefill, probe, gate and (evict_now) evict. Returns the Decision and, when the gate opened
+        and T > B but evict_now is False, the eviction plan (keep, held, last_pos, last_tok) for the
+        verify modes. select=False: gate only (measure). An interrupted or failed prefill leaves
+        nothing of the turn in the cache."""
+        ctx = self.ctx
+        pos0 = ctx.seq_pos_max(0) + 1
+        n_hist = len(self.history)
+        try:
+            return self._prefill_and_gate_impl(toks, pos0, evict_now, select)
+        except BaseException:
+            ctx.seq_rm(0, pos0, -1)
+            ctx.page.disarm_probe()
+            del self.history[n_hist:], self._pos[n_hist:]
+            raise
+
+    def _prefill_and_gate_impl(self, toks, pos0, evict_now, select):
+        pipe, ev = self.pipeline, self._evictor
+        t0 = time.perf_counter()
+        pre = pipe.prefill(toks, pos0, 0, track_attention=select and "prefill_attention" in ev.needs)
+        self.history.extend(toks)
+        self._pos.extend(range(pos0, pos0 + len(toks)))
+        # the speed budget is a share of the whole conversation, so a turn evicts only what brings the
+        # cells back to it: earlier turns are not cut again by the same ratio on every turn
+        T = len(self.history)
+        B = resolve_budget(self.budget, T, W, N_SINK)
+        g = self.gate.decide(pre.D, n_tokens=T) if (pre.D is not None or self.gate.mode != "page") else None
+        t3 = time.perf_counter()
+        is_open = bool(g.open) if g else False
+        evicted, plan, lookahead_ms = False, None, None
+        if is_open and pre.T > B and select:
+            last_pos, last_tok = pos0 + len(toks) - 1, toks[-1]
+            signals = pipe.signals(ev.needs, pre, last_pos, last_tok, spec=getattr(ev, "spec", None),
+                                   restore_logits=not evict_now)
+            if "lookahead" in signals:
+                lookahead_ms = signals["lookahead"].ms
+            keep = pipe.select(ev, pre, B, signals, self.seed)
+            if evict_now:
+                pipe.evict_in_place(0, keep, pre.held, last_pos, last_tok, compact=self.compact)
+                evicted = True
+            else:
+                plan = (keep, pre.held, last_pos, last_tok)
+        t4 = time.perf_counter()
+        reason = g.reason if g else "the probe saw fewer than 2 heads; keeping the full cache"
+        verify = {}
+        if self.gate_mode in VERIFY_MODES:
+            if self.gate_mode == "verify":
+                reason = "gate mode 'verify': the evicted cache is checked on the answer (up to its end or the cap)"
+            if is_open and pre.T <= B:  # nothing to evict: the candidate is the full cache itself
+                verify = dict(verify_m=0, verify_delta=0.0, verify_score=0.0, verify_rule=self.verify_rule,
+                              verify_threshold=self.verify_threshold)
+                reason += f"; {pre.T} cells <= B = {B}: nothing to evict"
+        kept = self.cells_used()
+        return Decision(
+            T=T, B=B, D=pre.D, z=g.z if g else None, open=is_open, evicted=evicted, kept=kept,
+            compression=T / kept if kept else 1.0, gate_mode=self.gate_mode,
+            rule=g.rule if g else "none", reason=reason,
+            evictor=ev.name, prefill_ms=pre.prefill_ms, probe_ms=pre.probe_ms,
+            gate_ms=(t3 - t0) * 1e3 - pre.prefill_ms - pre.probe_ms, evict_ms=(t4 - t3) * 1e3,
+            agreement=pre.agreement, lookahead_ms=lookahead_ms, gate_note=g.note if g else None, **verify), plan
+
+    # --- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the context and the model. Refused (EngineBusy) while a turn is running in another thread."""
+        active = getattr(self, "_active", None)
+        if active is not None and not active.running:  # a stream left suspended in this thread: end it
+            active.close()
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy("this Engine is generating in another thread; stop that turn before closing the engine")
+        try:
+            if getattr(self, "ctx", None) is not None:
+                self.ctx.close()
+                self.ctx = None
+            if getattr(self, "model", None) is not None:
+                self.model.close()
+                self.model = None
+        finally:
+            self._lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _chunks(toks: list[int], size: int) -> list[list[int]]:
+    """toks in pieces of at most `size`, the last one full (it carries the question)."""
+    head = len(toks) - size
+    return [toks[i: min(i + size, head)] for i in range(0, head, size)] + [toks[head:]]

@@ -1,0 +1,279 @@
+"""The steps of a turn on a llama.cpp context, written once: Engine, the evaluation runner and the
+benchmarks all run these (docs/design.md §5, "One turn through the engine").
+
+    prefill   decode prompt[:-W]; arm the probe; decode prompt[-W:] as one batch; read the probe
+    signal    D and per-layer agreement (signal.py) from the probe
+    signals   what the evictor needs beyond the probe: the last token's query, key norms, the
+              prefill's accumulated attention (H2O), LORE-KV's lookahead
+    select    the evictor's keep set at budget B
+    evict     in place (the sequence itself: evict, compact, re-decode the last prompt token) or into a
+              candidate sequence that shares the prompt's cells (seq_cp, evict, decode from the last
+              prompt token on), which self-verification and the evaluation score before anything is
+              committed
+    teacher_force / greedy / verify_span   the candidate's outputs on given tokens and the check
+
+A Pipeline is bound to one Context and Model; it keeps nothing between turns but the output
+projection factors LORE-KV reuses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from page_local.evictors.base import EvictionInput
+from page_local.probe import ProbeResult
+from page_local.verify import VERIFY_RULE, logp, top_token, verify_score
+
+W = 32  # the probe window: the prompt's last W tokens are decoded as one batch with the probe armed
+TOP_K = 32  # per-head top-k the probe keeps for every query
+N_SINK = 4  # attention sinks every evictor keeps
+# Signals Pipeline.signals provides (evictors.base.NEEDS lists every known one). An evictor needing
+# anything else is refused when it is chosen, not mid-turn on the turns where the gate opens.
+PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead"})
+
+
+def supported(evictor):
+    """The evictor, if the pipeline provides every signal it needs; else ValueError saying which."""
+    missing = sorted(evictor.needs - PROVIDED)
+    if missing:
+        what = ", ".join("key norms (key_norms)" if m == "key_norms" else m for m in missing)
+        raise ValueError(f"evictor {evictor.name!r} needs {what}, which the engine does not provide; "
+                         "choose another evictor")
+    return evictor
+
+
+@dataclass
+class Prefilled:
+    """A prompt in a sequence, probed: what every later step of the turn reads."""
+
+    probe: ProbeResult
+    held: np.ndarray  # i32 (T,) positions the sequence holds after the prefill, ascending
+    logits: np.ndarray  # f32 (n_vocab,) next-token logits after the prompt's last token
+    prefill_attention: tuple[np.ndarray, np.ndarray] | None  # (positions, f32 (n_layer, n_pos)) or None
+    D: float | None = None  # PAGE's drop (None when the probe saw fewer than 2 heads)
+    agreement: list[float] = field(default_factory=list)  # per-layer head agreement
+    prefill_ms: float = 0.0
+    probe_ms: float = 0.0
+
+    @property
+    def T(self) -> int:
+        return int(self.held.size)
+
+
+class Pipeline:
+    """The turn's steps on one context (ctx: native.runtime.Context, model: native.runtime.Model)."""
+
+    def __init__(self, ctx, model):
+        self.ctx, self.model = ctx, model
+        self._out_proj: dict[str, np.ndarray] = {}
+
+    # --- prefill and probe -----------------------------------------------------------------------
+    def prefill(self, toks: Sequence[int], pos0: int, seq: int = 0, track_attention: bool = False) -> Prefilled:
+        """Decode toks at pos0.. in seq, the last min(W, n) as one batch with the probe armed; compute D.
+        track_attention: also sum every prefill chunk's attention per position (H2O's input)."""
+        ctx, page = self.ctx, self.ctx.page
+        n = len(toks)
+        w = min(W, n)
+        t0 = time.perf_counter()
+        attn = self._decode_tracked(toks[: n - w], pos0, seq, track_attention)
+        page.arm_probe(seq, TOP_K)
+        ctx.decode(list(toks[n - w:]), pos0 + n - w, seq)
+        logits = ctx.logits()
+        t1 = time.perf_counter()
+        probe = page.read_probe()
+        held = page.positions(seq)
+        t2 = time.perf_counter()
+        pre = Prefilled(probe=probe, held=held, logits=logits, prefill_attention=attn,
+                        prefill_ms=(t1 - t0) * 1e3, probe_ms=(t2 - t1) * 1e3)
+        pre.D, pre.agreement = drop(probe)
+        return pre
+
+    def _decode_tracked(self, toks, pos0: int, seq: int, track: bool):
+        """Decode toks; with track, arm the probe on every ubatch-sized chunk and sum its column mass
+        (H2O's accumulated attention). Returns (positions, f32 (n_layer, n_pos) sums) or None."""
+        if not len(toks):
+            return None
+        if not track:
+            self.ctx.decode(list(toks), pos0, seq, logits="none")
+            return None
+        acc: dict[int, np.ndarray] = {}
+        step = self.ctx.n_ubatch
+        for s in range(0, len(toks), step):
+            chunk = list(toks[s: s + step])
+            self.ctx.page.arm_probe(seq, 1)
+            self.ctx.decode(chunk, pos0 + s, seq, logits="none")
+            r = self.ctx.page.read_probe()
+            mass = r.mean * r.n_query  # f32 (n_layer, n_pos): summed over this chunk's queries
+            for i, p in enumerate(r.positions.tolist()):
+                acc[p] = acc.get(p, 0) + mass[:, i]
+        pos = np.array(sorted(acc), dtype=np.int32)
+        return pos, np.stack([acc[p] for p in pos.tolist()], axis=1).astype(np.float32)
+
+    # --- what the evictor needs ------------------------------------------------------------------
+    def signals(self, needs: frozenset, pre: Prefilled, last_pos: int, last_tok: int, seq: int = 0,
+                spec=None, cache: dict | None = None, restore_logits: bool = False) -> dict:
+        """EvictionInput fields beyond the probe for an evictor needing `needs`. The last prompt token
+        (last_pos, last_tok) is re-decoded with the probe armed for last_query. cache: shared by the
+        evictors of one prefill (each signal is computed once). restore_logits: after a lookahead, decode
+        the last prompt token again so that the context's logits are the prompt's (for sampling)."""
+        ctx, page = self.ctx, self.ctx.page
+        cache = {} if cache is None else cache
+        out: dict = {}
+        if "last_query" in needs:
+            if "last_query" not in cache:
+                ctx.seq_rm(seq, last_pos, last_pos + 1)
+                page.arm_probe(seq, TOP_K)
+                ctx.decode([last_tok], last_pos, seq)
+                cache["last_query"] = page.read_probe()
+            out["last_query"] = cache["last_query"]
+        if "key_norms" in needs:  # f32 (n_layer, n_head_kv, T), columns aligned with pre.held
+            if "key_norms" not in cache:
+                cache["key_norms"] = page.key_norms(seq, self.model.n_layer, self.model.n_head_kv)
+            out["key_norms"] = cache["key_norms"]
+        if "prefill_attention" in needs and pre.prefill_attention is not None:
+            out["prefill_attention"] = align(pre.prefill_attention, pre.probe, pre.held)
+        if "lookahead" in needs:  # LORE-KV: sampled futures score the prompt, then are removed
+            key = ("lookahead", spec)
+            if key not in cache:
+                cache[key] = self.lookahead(pre.logits, spec, seq)
+                if restore_logits:
+                    ctx.seq_rm(seq, last_pos, last_pos + 1)
+                    ctx.decode([last_tok], last_pos, seq)
+            out["lookahead"] = cache[key]
+        return out
+
+    def lookahead(self, last_logits: np.ndarray, spec, seq: int = 0):
+        """LORE-KV's lookahead (engine/lookahead.py) on seq, whose newest token produced last_logits; the
+        futures are gone afterwards (the context's logits are theirs: see signals(restore_logits))."""
+        from page_local.engine.lookahead import run_lookahead
+
+        if spec.projection not in self._out_proj:
+            from page_local.engine.outproj import context_out_proj_factors
+
+            m = self.model
+            self._out_proj[spec.projection] = context_out_proj_factors(
+                self.ctx, m.n_layer, m.n_head, m.n_embd, spec.projection, path=m.path)
+        return run_lookahead(self.ctx, seq, last_logits, spec, self._out_proj[spec.projection], self.model.is_eog)
+
+    @staticmethod
+    def select(evictor, pre: Prefilled, B: int, signals: dict, seed: int) -> np.ndarray:
+        """The evictor's keep set (i32 positions, a subset of pre.held with B entries)."""
+        inp = EvictionInput(held=pre.held, budget=B, window=pre.probe.queries, n_sink=N_SINK, probe=pre.probe,
+                            seed=seed, **signals)
+        return evictor.select(inp)
+
+    # --- eviction ----------------------------------------------------------------------------------
+    def evict_in_place(self, seq: int, keep: np.ndarray, held: np.ndarray, last_pos: int, last_tok: int,
+                       compact: bool = True) -> float:
+        """Evict held \\ keep from seq and decode its last prompt token again, so that the next sampled
+        token already sees the compressed cache. compact: move the cells down first (llama.cpp attends
+        over every cell up to the highest used one: holes would decode as slowly as the full cache).
+        Returns the compaction's milliseconds."""
+        ctx = self.ctx
+        ctx.page.evict(seq, np.setdiff1d(held, keep, assume_unique=True))
+        ctx.seq_rm(seq, last_pos, last_pos + 1)
+        c0 = time.perf_counter()
+        if compact:
+            ctx.page.compact(seq)
+        compact_ms = (time.perf_counter() - c0) * 1e3
+        ctx.decode([last_tok], last_pos, seq)
+        return compact_ms
+
+    def candidate(self, keep: np.ndarray, held: np.ndarray, last_pos: int, tokens: Sequence[int],
+                  src: int = 0, dst: int = 1, logits: str = "last") -> tuple[int, list[np.ndarray]]:
+        """Build the evicted candidate in dst without touching src: dst = src's positions below last_pos
+        (cells shared), minus those not in keep; then tokens (the last prompt token first) are decoded
+        at last_pos... Returns (positions dropped, the decoded tokens' logits when logits="all"). The
+        caller removes dst afterwards."""
+        ctx = self.ctx
+        ctx.seq_cp(src, dst, -1, last_pos)  # the prompt minus its last token, cells shared
+        drop = np.setdiff1d(held[held < last_pos], keep, assume_unique=True)
+        if drop.size:
+            ctx.page.evict(dst, drop)
+        return int(drop.size), self.decode(tokens, last_pos, dst, logits=logits)
+
+    def decode(self, tokens: Sequence[int], pos: int, seq: int, logits: str = "last") -> list[np.ndarray]:
+        """Decode tokens at pos.. in seq in chunks of n_batch; with logits="all", every token's output
+        logits (f32 (n_vocab,) each), else []."""
+        ctx, out = self.ctx, []
+        for s in range(0, len(tokens), ctx.n_batch):
+            chunk = list(tokens[s: s + ctx.n_batch])
+            ctx.decode(chunk, pos + s, seq, logits=logits)
+            if logits == "all":
+                out.extend(ctx.logits(i) for i in range(len(chunk)))
+        return out
+
+    # --- outputs of a cache ----------------------------------------------------------------------------
+    def teacher_force(self, first_logits: np.ndarray, targets: Sequence[int], pos: int, seq: int) -> np.ndarray:
+        """f64 log p of each target: the first from first_logits, the rest from one batch of targets[:-1]
+        decoded at pos... The decoded tokens stay in seq (the caller removes them)."""
+        lp = [logp(first_logits, targets[0])]
+        if len(targets) > 1:
+            outs = self.decode(targets[:-1], pos, seq, logits="all")
+            lp += [logp(lg, t) for lg, t in zip(outs, targets[1:])]
+        return np.asarray(lp, dtype=np.float64)
+
+    def greedy(self, first_logits: np.ndarray, pos: int, seq: int, max_new: int,
+               want_logp: bool = False) -> tuple[list[int], list[float], str, int | None]:
+        """Greedy generation from first_logits; tokens are decoded at pos.. in seq.
+
+        Returns (tokens without the end-of-generation token, log p of each of them, finish, the
+        end-of-generation token or None); with want_logp and finish "stop", lps has one more entry: the
+        end-of-generation token's."""
+        ctx, model = self.ctx, self.model
+        out: list[int] = []
+        lps: list[float] = []
+        logits = first_logits
+        for _ in range(max_new):
+            tok = int(np.argmax(logits))
+            if model.is_eog(tok):
+                if want_logp:
+                    lps.append(logp(logits, tok))
+                return out, lps, "stop", tok
+            out.append(tok)
+            if want_logp:
+                lps.append(logp(logits, tok))
+            if len(out) == max_new:
+                break
+            ctx.decode([tok], pos, seq)
+            pos += 1
+            logits = ctx.logits()
+        return out, lps, "length", None
+
+    def verify_span(self, lp_full: Sequence[float], ev_logits: Sequence[np.ndarray], targets: Sequence[int],
+                    top_full: Sequence[int], rule: str = VERIFY_RULE, threshold: float | None = None):
+        """Self-verification's score of one candidate (verify.verify_score). Per checked position i:
+        lp_full[i] = log p_full(targets[i]); ev_logits[i] the candidate's logits there; top_full[i] the full
+        cache's top token (verify.top_token: -1 for any end of generation). Returns (VerifyScore,
+        f64 (k,) candidate log-probs, bool (k,) changed)."""
+        lp_ev = np.asarray([logp(lg, t) for lg, t in zip(ev_logits, targets)], dtype=np.float64)
+        changed = np.array([top_token(lg, self.model.is_eog) != t for lg, t in zip(ev_logits, top_full)], dtype=bool)
+        v = verify_score(np.asarray(lp_full, dtype=np.float64), lp_ev, changed, rule=rule, threshold=threshold)
+        return v, lp_ev, changed
+
+
+def drop(probe: ProbeResult) -> tuple[float | None, list[float]]:
+    """PAGE's D and the per-layer head agreement (signal.py); (None, []) with fewer than 2 heads."""
+    if probe.n_head < 2:
+        return None, []
+    from page_local.signal import compute_signal
+
+    sig = compute_signal(probe)
+    return float(sig.D), [float(a) for a in sig.agreement]
+
+
+def align(prefill: tuple[np.ndarray, np.ndarray], probe: ProbeResult, held: np.ndarray) -> np.ndarray:
+    """H2O scores aligned with `held`: prefill column sums plus the window's own (probe) mass."""
+    pos, sums = prefill
+    out = np.zeros((sums.shape[0], held.size), dtype=np.float32)
+    idx = np.searchsorted(held, pos)
+    ok = (idx < held.size) & (held[np.minimum(idx, held.size - 1)] == pos)
+    out[:, idx[ok]] += sums[:, ok]
+    j = np.searchsorted(held, probe.positions)
+    okp = (j < held.size) & (held[np.minimum(j, held.size - 1)] == probe.positions)
+    out[:, j[okp]] += probe.mean[:, okp] * probe.n_query
+    return out

@@ -1,0 +1,121 @@
+"""cli/narrate.py on hand-built Decisions: every kind of turn is told by what happened to the cache
+first (the verdict that decided it), then why. The 'verify-refused' case is the bug this module
+fixed: a /read essay whose self-verification refused the eviction was reported as 'gate open ...
+kept 1897/1897'."""
+
+from __future__ import annotations
+
+import pytest
+
+from page_local.cli import narrate
+from page_local.engine import Result
+from tests.fakes import decision
+
+VERIFY = dict(gate_mode="verify", rule="forced", open=True)  # verify's base gate is "always"
+
+CASES = {
+    "verify-committed": (
+        decision(T=1936, B=484, kept=968, evicted=True, D=0.1109, verify_m=12, verify_until="cap",
+                 verify_rule="argmax", verify_score=0.0, verify_threshold=0.0, **VERIFY),
+        "evicted to 968 of 1936, verified (0 changed top tokens <= 0 over 12 tokens)"),
+    "verify-refused": (
+        decision(T=1897, B=474, kept=1897, evicted=False, D=0.1109, verify_m=12, verify_until="cap",
+                 verify_rule="mean", verify_score=1.76, verify_threshold=0.05, verify_delta=1.76, **VERIFY),
+        "verify refused: full cache of 1897 kept (mean loss 1.7600 > 0.05 nats/token over 12 tokens)"),
+    "verify-answer-end": (
+        decision(T=638, B=159, kept=159, evicted=True, verify_m=7, verify_until="end", verify_rule="max",
+                 verify_score=0.0123, verify_threshold=0.5, **VERIFY),
+        "evicted to 159 of 638, verified (largest per-token loss 0.0123 <= 0.5 nats over 7 tokens and the "
+        "answer's end)"),
+    "verify-nothing-to-evict": (
+        decision(T=37, B=1024, kept=37, verify_m=0, verify_rule="argmax", verify_score=0.0, verify_threshold=0.0,
+                 **VERIFY),
+        "nothing to evict (T 37 <= budget 1024)"),
+    "verify-no-room": (
+        decision(T=638, B=159, kept=638, verify_rule="argmax", verify_threshold=0.0, **VERIFY),
+        "verify skipped (no room in the cache for the candidate): full cache of 638 kept"),
+    "verify-stopped-early": (
+        decision(T=638, B=159, kept=638, **VERIFY),
+        "not verified (the answer stopped before the check): full cache of 638 kept"),
+    "page+verify-closed": (
+        decision(T=638, B=159, D=0.0209, gate_mode="page+verify"),
+        "gate closed (D 0.0209 < 0.07): full cache of 638 kept"),
+    "page+verify-committed": (
+        decision(T=638, B=159, kept=159, evicted=True, D=0.1109, open=True, gate_mode="page+verify",
+                 verify_m=12, verify_until="cap", verify_rule="argmax", verify_score=0.0, verify_threshold=0.0),
+        "evicted to 159 of 638, verified (0 changed top tokens <= 0 over 12 tokens)"),
+    "page-closed": (
+        decision(T=638, B=159, D=0.0209),
+        "gate closed (D 0.0209 < 0.07): full cache of 638 kept"),
+    "page-open": (
+        decision(T=638, B=159, kept=159, evicted=True, open=True, D=0.1109),
+        "evicted to 159 of 638, gate open (D 0.1109 >= 0.07)"),
+    "page-calibrated-closed": (
+        decision(T=638, B=159, D=0.0209, z=-1.2, rule="calibrated"),
+        "gate closed (calibrated z -1.20 < -0.6934, D 0.0209): full cache of 638 kept"),
+    "page-no-D": (
+        decision(T=20, B=36, D=None, rule="none"),
+        "gate closed (no D: the probe saw fewer than 2 heads): full cache of 20 kept"),
+    "page-measured": (  # Engine.measure (`inspect`): the gate opened, nothing was evicted
+        decision(T=638, B=159, open=True, D=0.1109),
+        "gate open (D 0.1109 >= 0.07): would evict to 159 of 638"),
+    "always": (
+        decision(T=638, B=159, kept=159, evicted=True, open=True, gate_mode="always", rule="forced"),
+        "evicted to 159 of 638 (gate always, unchecked)"),
+    "always-nothing-to-evict": (
+        decision(T=37, B=1024, open=True, gate_mode="always", rule="forced"),
+        "nothing to evict (T 37 <= budget 1024)"),
+    "never": (
+        decision(T=638, B=159, gate_mode="never", rule="forced"),
+        "full cache of 638 kept (gate never)"),
+}
+
+
+@pytest.mark.parametrize("d, expected", CASES.values(), ids=CASES.keys())
+def test_status_says_what_happened(d, expected):
+    assert narrate.status(d) == expected
+
+
+def test_a_refused_verification_is_not_told_as_an_open_gate():
+    d, _ = CASES["verify-refused"]
+    for text in (narrate.status(d), narrate.why(d).split("\n")[1]):
+        assert "gate open" not in text and "evicted to" not in text, text
+    assert "the full cache was kept. All 1897 positions were kept" in narrate.why(d)
+
+
+@pytest.mark.parametrize("d, expected", CASES.values(), ids=CASES.keys())
+def test_why_starts_with_the_status_and_ends_with_the_record(d, expected):
+    lines = narrate.why(d).split("\n")
+    assert lines[0] == f"What happened: {expected}."
+    assert lines[-1] == f"The engine's record: {d.reason}."
+    assert "arXiv 2609.22157" in lines[-2]
+
+
+@pytest.mark.parametrize("name, needles", [
+    ("verify-committed", ["Self-verification decided: the first 12 tokens of the answer were generated with the "
+                          "full cache", "so the eviction was committed. The snapkv evictor kept 968 of 1936"]),
+    ("verify-answer-end", ["the whole answer (7 tokens and its end) was generated"]),
+    ("page+verify-committed", ["Before that, PAGE's gate open (D 0.1109 >= 0.07) let the candidate through."]),
+    ("verify-nothing-to-evict", ["Nothing was evicted: the 37 positions fit within the budget of 1024."]),
+    ("verify-no-room", ["not checked (no room in the cache for the candidate), and an unchecked eviction is "
+                        "never committed. All 638 positions were kept"]),
+    ("page-open", ["The gate opened: late layers' heads agree much less", "kept 159 of 638 positions (budget 159, "
+                   "4.0x smaller); the answer was generated from the compressed cache."]),
+    ("page-closed", ["The gate kept the full cache: head agreement barely drops", "raw threshold 0.07",
+                     "`page-local calibrate`"]),
+    ("page-calibrated-closed", ["calibrated z -1.20", "this model's calibration profile is in use."]),
+    ("page-no-D", ["fewer than 2 heads, so there is no D"]),
+    ("page-measured", ["An eviction to 159 of 638 positions would run (nothing was evicted: a measurement)."]),
+    ("always", ["forced to 'always', so D was not consulted"]),
+    ("never", ["forced to 'never', so D was not consulted. All 638 positions were kept"]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_why_explains_the_deciding_step(name, needles):
+    text = narrate.why(CASES[name][0])
+    for n in needles:
+        assert n in text, (n, text)
+
+
+def test_summary_adds_the_generation():
+    d, status = CASES["verify-refused"]
+    r = Result("Paris is the capital.", list(range(12)), d, "stop", prompt_tokens=1897, gen_s=0.24)
+    assert narrate.summary(r) == f"{status}; 12 tokens at 50.0 tok/s; finish: stop"
