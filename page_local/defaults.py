@@ -7,3 +7,4 @@ N_CTX = 4096
 THREADS = 2
 MAX_TOKENS = 256
 ON_FULL = "evict"  # a turn that does not fit evicts earlier turns (engine/room.py); "refuse" raises ContextFull
+LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2)  # the budgets gate mode "search" tries, smallest first

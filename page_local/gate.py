@@ -19,10 +19,12 @@ import numpy as np
 
 from page_local.store.profiles import Profile, read_profile
 
-GATE_MODES = ("page", "always", "never", "verify", "page+verify")  # what a user chooses
+GATE_MODES = ("page", "always", "never", "verify", "page+verify", "search", "page+search")  # what a user chooses
 MODES = ("page", "always", "never")  # the rule's own modes: what BASE_MODE maps every gate mode to
-BASE_MODE = {"page": "page", "always": "always", "never": "never", "verify": "always", "page+verify": "page"}
-VERIFY_MODES = ("verify", "page+verify")  # the modes that check the candidate on the answer
+BASE_MODE = {"page": "page", "always": "always", "never": "never", "verify": "always", "page+verify": "page",
+             "search": "always", "page+search": "page"}
+VERIFY_MODES = ("verify", "page+verify", "search", "page+search")  # the modes that check candidates on the answer
+SEARCH_MODES = ("search", "page+search")  # one candidate per budget of a ladder; the smallest that passes wins
 RAW_THRESHOLD = 0.07
 Z_THRESHOLD = -0.6934
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator
 
+from page_local import defaults
 from page_local.chat.session import SAVE_FORMAT, ChatSession, Message
 from page_local.engine import Decision, Result, Sampling
 from page_local.engine.room import check_on_full
@@ -100,7 +101,7 @@ class FakeEngine:
     """The Engine's surface for shells; answers come from the queue (enqueue), in order."""
 
     def __init__(self, model=None, n_ctx: int = 2048, budget=0.25, evictor: str = "snapkv", gate: str = "verify",
-                 verify_tokens: int = VERIFY_CAP, on_full: str = "evict", profile_warning: str | None = None,
+                 verify_tokens: int = VERIFY_CAP, on_full: str = defaults.ON_FULL, profile_warning: str | None = None,
                  **_ignored):
         self.model = SimpleNamespace(path=Path(model or "fake-model.gguf"))
         self.n_ctx = n_ctx

@@ -163,6 +163,14 @@ BENCHES = {
              {"model", "n", "tokens", "budget", "page_local_s", "kvpress_s", "speedup", "page_local_kept",
               "kvpress_kept_per_kv_head", "accuracy", "rows", "page_local_device"},
              lambda r: r["n"] == len(r["rows"]) == 1 and all(0 <= v <= 1 for v in r["accuracy"].values())),
+    "chat": (["--turns", "3", "--n-ctx", "256", "--outgrow", "2", "--gen", "4"],
+             {"turns", "n_ctx", "full_n_ctx", "outgrow", "gen", "repeats", "conversation_tokens", "first_wall_turn",
+              "full_fits_turns", "refusals", "ttft_ratio", "tok_s_ratio", "ttft_ratio_past_wall",
+              "tok_s_ratio_past_wall", "per_turn", "device"},
+             lambda r: len(r["per_turn"]) == 3 and r["refusals"] == 0 and r["full_fits_turns"] == 3
+             and r["conversation_tokens"] > 256 and r["first_wall_turn"] is not None
+             and all(t["page_local"]["cells"] < 256 < r["full_n_ctx"] for t in r["per_turn"])
+             and r["ttft_ratio"] > 0 and r["tok_s_ratio"] > 0),
 }
 SLOW = {"peer": pytest.mark.slow, "memory": pytest.mark.slow}
 
@@ -221,3 +229,22 @@ def test_run_warns_when_the_calibration_pilot_had_other_prompt_lengths(cli, smol
     assert "warning" not in res.stdout  # the answer stays clean
     d = json.loads(cli("run", "--prompt", PROMPT, "--gate", "page", "--json", *SMALL).stdout)["decision"]
     assert d["rule"] == "calibrated" and d["gate_note"] == lines[-2].removeprefix("warning: ")
+
+
+def test_bench_verify_with_a_ladder_measures_every_rung_at_once(cli):
+    res = cli("bench", "verify", "--tokens", "256", "--m", "4", "--repeats", "1", "--ladder", "1/4,1/2",
+              "--threads", "1", "--json")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["candidates"] == 2 and r["ladder"] == [0.25, 0.5] and r["verify_ms"] > 0 and r["ratio"] > 0
+
+
+def test_run_with_budget_search(cli):
+    res = cli("run", "--prompt", "The grass is green. " * 30 + "What colour is the grass?", "--gate", "search",
+              "--ladder", "1/8,1/2", "--max-tokens", "6", "--n-ctx", "512", "--threads", "1", "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)["decision"]
+    assert d["gate_mode"] == "search" and [r["label"] for r in d["search"]] == ["1/8", "1/2"]
+    assert d["evicted"] == any(r["passed"] for r in d["search"])
+    one_line_error(cli("run", "--prompt", "Hi", "--gate", "search", "--ladder", "1/8,1/4,1/2,1,2", "--threads", "1"),
+                   2, "--ladder")

@@ -396,3 +396,25 @@ def test_regate_re_decides_page_from_D_between_the_two_evaluated_caches():
         metrics.regate(rows, 0.05, 0.0)
     with pytest.raises(ValueError, match="gate 'always'"):
         metrics.regate([r for r in rows if r["gate"] == FULL], 0.05, 0.02)
+
+
+def test_search_rows_commit_the_smallest_budget_whose_verify_row_passed(smollm2_path, home, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    run_eval(smollm2_path, tasks=["niah_single_1", "niah_multivalue"], n=2, length=600, budgets=[0.0625, 0.25, 0.5],
+             evictors=["snapkv"], gates=["verify", "search", "page+search"], out=out, threads=THREADS)
+    rows = read_rows(out)
+    for (task, index) in {(r["task"], r["index"]) for r in rows}:
+        mine = [r for r in rows if (r["task"], r["index"]) == (task, index)]
+        verify = sorted((r for r in mine if r["gate"] == "verify"), key=lambda r: r["B"])
+        full = next(r for r in mine if r["gate"] == FULL)
+        search = next(r for r in mine if r["gate"] == "search")
+        passed = [r for r in verify if r["evicted"]]
+        assert search["budget"] == [0.0625, 0.25, 0.5]
+        assert [x["passed"] for x in search["search"]] == [bool(r["verify_open"]) for r in verify]
+        if passed:
+            assert search["evicted"] and search["B"] == passed[0]["B"] and search["kept"] == passed[0]["kept"]
+            assert search["prediction"] == passed[0]["prediction"]
+        else:
+            assert not search["evicted"] and search["prediction"] == full["prediction"] and search["kept"] == search["T"]
+        ps = next(r for r in mine if r["gate"] == "page+search")
+        assert ps["evicted"] == (search["evicted"] and full["page_open"])

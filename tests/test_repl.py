@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
+from page_local.chat.session import SAVE_FORMAT, ChatSession
 from page_local.cli import narrate
 from page_local.cli.chat import chat_cmd
-from page_local.chat.session import SAVE_FORMAT, ChatSession
 from page_local.cli.repl import Repl, run_loop
 from page_local.errors import ContextFull, DecodeError
 from page_local.store import home, persist
@@ -277,8 +277,8 @@ def test_an_evicted_chat_is_saved_with_its_cache_and_loaded_as_saved(fake, tmp_p
     repl.handle("/set gate page")
     repl.handle("/set verify-tokens 64")
     repl.handle(f"/load {f}")
-    assert last_line(out()) == ("Loaded 2 messages and their KV cache (62 cells, as saved); budget 0.25 · "
-                                "evictor snapkv · gate always · verify-tokens 16 · on-full evict · temperature 0 · "
+    assert last_line(out()) == ("Loaded 2 messages and their KV cache (62 cells, as saved); budget 0.25 · evictor "
+                                "snapkv · gate always · verify-tokens 16 · on-full evict · temperature 0 · "
                                 "max-tokens 8")
     assert repl.session.replays == [] and eng.cells_used() == 62  # restored, not re-prefilled
     repl.handle("/why")
@@ -466,7 +466,8 @@ def test_banner(fake):
     repl.banner(multiline_hint=False)
     first = out().splitlines()[0]
     assert first == ("page-local chat · fake-model.gguf · n_ctx 2048 · layers and KV cache on CPU · budget 0.25 · "
-                     "evictor snapkv · gate verify · verify-tokens 64 · on-full evict · temperature 0 · max-tokens 8")
+                     "evictor snapkv · gate verify · verify-tokens 64 · on-full evict · temperature 0 · "
+                     "max-tokens 8")
     assert "a trailing \\ continues a line" in out() and "Esc+Enter" not in out()
     assert "warning: the profile is stale" in out()
 

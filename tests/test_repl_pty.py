@@ -4,7 +4,8 @@ On a terminal the REPL reads with prompt_toolkit (history in $PAGE_LOCAL_HOME/hi
 arrives as a real SIGINT from the tty driver, which the scripted tests of test_repl.py cannot show:
 a message streams an answer and the status line ("... cells ..."), /read FILE QUESTION, /stats,
 /save, Ctrl-C in the middle of a long answer stops it and keeps the session, Ctrl-C at the prompt
-only clears the line, /exit exits 0; a new process then /loads the saved conversation.
+only clears the line, /exit exits 0; a new process then /loads the saved conversation. An evicted
+chat is saved with its KV cache and continues in a new process with the tokens the first one gave.
 
 Threads 1, n_ctx 2048 and short answers keep it to a few seconds on a quiet machine; every expect
 has a generous timeout because the machine running the tests may be loaded.

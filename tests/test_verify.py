@@ -134,3 +134,39 @@ def test_bad_verify_settings(engine):
         engine.set_verify(4, None, "median")
     with pytest.raises(ValueError, match="gate mode must be one of"):
         engine.set_gate("sometimes")
+
+
+# --- gate mode "search": one candidate per rung of a ladder, the smallest that passes -----------------
+
+def test_search_commits_the_smallest_budget_that_passes_and_agrees_with_verify(engine, full_run):
+    """Every rung's verdict is the verdict verify gives at that budget alone (the same answer checked on
+    the same keep set), the committed budget is the smallest that passed, and the user reads the full
+    cache's answer. The ladder spans a rung that loses the needle (40 cells) and ones that keep it."""
+    ladder = (40, 0.25, 0.5)
+    engine.set_verify()
+    engine.set_gate("verify")
+    alone = []
+    for b in ladder:
+        engine.set_budget(b)
+        alone.append(engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8).decision.evicted)
+    assert True in alone and False in alone  # the ladder is not all-pass or all-fail: the test can tell
+    engine.set_gate("search")
+    engine.set_ladder(ladder)
+    try:
+        r = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8)
+    finally:
+        engine.set_gate("never")
+        engine.set_budget(0.25)
+    d = r.decision
+    assert [x["passed"] for x in d.search] == alone
+    assert [x["B"] for x in d.search] == sorted(x["B"] for x in d.search)
+    first = alone.index(True)
+    assert d.evicted and d.B == d.search[first]["B"] == d.kept
+    assert r.tokens == full_run[0][: len(r.tokens)]
+    assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))  # no candidate left behind
+
+
+def test_bad_ladders_are_refused(engine):
+    for ladder in ((), (0.1, 0.2, 0.3, 0.4, 0.5), (0.0,), (2.5,), (3,)):
+        with pytest.raises(ValueError):
+            engine.set_ladder(ladder)

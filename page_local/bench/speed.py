@@ -180,18 +180,22 @@ def _needle_prompt(model, tokens: int) -> str:
 
 
 def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP, repeats: int = 3,
-                threads: int = 2, prompt: str = "needle", n_gpu_layers: int | str | None = None) -> dict:
+                threads: int = 2, prompt: str = "needle", n_gpu_layers: int | str | None = None,
+                ladder: tuple | None = None) -> dict:
     """Cost of self-verified eviction (the engine's check, scored by verify.verify_score): the extra batch
     decode of the answer (up to its end or m tokens; `m_checked` says how many) over the evicted copy,
     as a fraction of the prefill, on a prompt of about `tokens` tokens (median of repeats): "needle"
     (a short answer: the check ends with it) or "random" (random token ids: the answer runs to m).
-    The threshold is set permissively so that the check always runs to completion."""
+    The threshold is set permissively so that the check always runs to completion. ladder: measure
+    gate "search" instead, every rung checked in one batch (the cost of the whole ladder)."""
     from page_local.engine.engine import Engine
 
     if prompt not in ("needle", "random"):
         raise ValueError(f"prompt must be 'needle' or 'random', got {prompt!r}")
     ratios, verify_ms, prefill_ms, checked = [], [], [], []
-    with Engine(model_path, n_ctx=tokens + m + 256, budget=budget, gate="verify", threads=threads,
+    rungs = len(ladder) if ladder else 1
+    with Engine(model_path, n_ctx=tokens + rungs * (m + 1) + 256, budget=budget,
+                gate="search" if ladder else "verify", ladder=ladder or (budget,), threads=threads,
                 verify_tokens=m, verify_threshold=1e9, n_gpu_layers=n_gpu_layers, allow_long_context=True) as eng:
         prompt = (_needle_prompt(eng.model, tokens) if prompt == "needle" else
                   np.random.default_rng(0).integers(100, 4000, size=tokens).tolist())
@@ -205,6 +209,7 @@ def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP,
             ratios.append(d.verify_ms / d.prefill_ms)
         device = eng.placement
     return {"bench": "verify", "tokens": d.T, "m": m, "m_checked": int(statistics.median(checked)),
+            "ladder": list(ladder) if ladder else None, "candidates": rungs,
             "rule": d.verify_rule, "budget": budget, "threads": threads, "repeats": repeats,
             "verify_ms": round(statistics.median(verify_ms), 2), "prefill_ms": round(statistics.median(prefill_ms), 1),
             "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05, "device": device}

@@ -10,6 +10,7 @@ import click
 from page_local import defaults
 from page_local.cli.common import (
     BudgetType,
+    LadderType,
     fail,
     json_option,
     model_option,
@@ -87,17 +88,21 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_laye
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt", "prompt", default="needle", show_default=True, type=click.Choice(["needle", "random"]),
               help="needle: a short answer (the check ends with it); random: random tokens, the check runs to --m.")
+@click.option("--ladder", default=None, type=LadderType(),
+              help="measure gate 'search': every budget of this ladder checked in one batch (e.g. 1/16,1/8,1/4,1/2)")
 @threads_option
 @n_gpu_layers_option
 @json_option()
-def bench_verify(model, tokens, m, repeats, prompt, threads, n_gpu_layers, as_json):
-    """Self-verification's extra decode as a fraction of the prefill (target <= 0.05)."""
+def bench_verify(model, tokens, m, repeats, prompt, ladder, threads, n_gpu_layers, as_json):
+    """Self-verification's extra decode as a fraction of the prefill (target <= 0.05); with --ladder, budget
+    search's (every rung at once)."""
     from page_local.bench.speed import verify_cost
 
     path = resolve_model(model)
     _bench(as_json, lambda: verify_cost(path, tokens=tokens, m=m, repeats=repeats, threads=threads,
-                                        prompt=prompt, n_gpu_layers=n_gpu_layers),
-           lambda r: f"{r['tokens']}-token prompt: verification of {r['m_checked']} tokens {r['verify_ms']:.1f} ms, "
+                                        prompt=prompt, n_gpu_layers=n_gpu_layers, ladder=ladder),
+           lambda r: f"{r['tokens']}-token prompt: verification of {r['m_checked']} tokens on {r['candidates']} "
+                     f"candidate(s) {r['verify_ms']:.1f} ms, "
                      f"prefill {r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {repeats})")
 
 
@@ -171,3 +176,37 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
                                            seed=seed, kvpress_window=kvpress_window, kvpress_kernel=kvpress_kernel,
                                            progress=lambda m: click.echo(m, err=True), n_gpu_layers=n_gpu_layers),
            describe)
+
+
+@bench_group.command("chat")
+@model_option
+@click.option("--turns", default=10, show_default=True, type=click.IntRange(min=2))
+@click.option("--n-ctx", "n_ctx", default=1024, show_default=True, type=click.IntRange(min=128),
+              help="page-local's context; the full cache gets one large enough for the whole chat.")
+@click.option("--outgrow", default=3.0, show_default=True, type=click.FloatRange(min=1, min_open=True),
+              help="The chat's messages add up to this many times --n-ctx.")
+@click.option("--gen", default=32, show_default=True, type=click.IntRange(min=1), help="Greedy answer tokens, at most.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
+@threads_option
+@n_gpu_layers_option
+@json_option()
+def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, threads, n_gpu_layers, as_json):
+    """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache."""
+    from page_local.bench.chat import chat_speed
+
+    def describe(r: dict) -> str:
+        lines = ["turn  tokens  page-local TTFT s  tok/s  cells   full TTFT s  tok/s  cells   TTFT ratio  tok/s ratio"]
+        for t in r["per_turn"]:
+            p, f = t.get("page_local") or {}, t.get("full") or {}
+            lines.append(f"{t['turn']:>4}  {t['conversation_tokens'] or 0:>6}  {p.get('ttft_s', 0):>17.3f}  "
+                         f"{p.get('tok_s', 0):>5.1f}  {p.get('cells', 0):>5}   "
+                         + (f"{f['ttft_s']:>11.3f}  {f['tok_s']:>5.1f}  {f['cells']:>5}   {t['ttft_ratio']:>10.3f}  "
+                            f"{t['tok_s_ratio'] or 0:>11.3f}" if f else f"{'(does not fit)':>25}"))
+        lines.append(f"median ratios (page-local / full): TTFT {r['ttft_ratio']}, tok/s {r['tok_s_ratio']}; past the "
+                     f"wall (turn {r['first_wall_turn']} on): TTFT {r['ttft_ratio_past_wall']}, tok/s "
+                     f"{r['tok_s_ratio_past_wall']}; {r['refusals']} refusals")
+        return "\n".join(lines)
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: chat_speed(path, turns=turns, n_ctx=n_ctx, outgrow=outgrow, gen=gen, repeats=repeats,
+                                       threads=threads, n_gpu_layers=n_gpu_layers), describe)

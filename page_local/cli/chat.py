@@ -8,18 +8,20 @@ import sys
 import click
 from rich.console import Console
 
-from page_local.cli.common import engine_options, model_option, one_line_errors, resolve_model, show_llama_log
+from page_local.cli.common import (engine_options, ladder_option, model_option, one_line_errors, resolve_model,
+                                   show_llama_log)
 from page_local.cli.repl import MAX_TOKENS, Repl, run_loop, stdin_reader, terminal_reader
 
 
 @click.command("chat")
 @model_option
 @engine_options
+@ladder_option
 @click.option("--system", default=None, help="system prompt")
 @click.option("--max-tokens", default=MAX_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5), help="0 = greedy")
 def chat_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers, allow_long_context,
-             system, max_tokens, temperature):
+             ladder, system, max_tokens, temperature):
     """Chat with a local model; what the cache went through is shown after each answer (/why explains it)."""
     show_llama_log()  # also when the command is invoked on its own, outside the `page-local` group
     path = resolve_model(model)
@@ -28,7 +30,7 @@ def chat_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, thread
 
     with one_line_errors():
         engine = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads,
-                        verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, on_full=on_full,
+                        verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, on_full=on_full, ladder=ladder,
                         allow_long_context=allow_long_context)
     with engine:
         with one_line_errors():  # a model without a usable chat template

@@ -77,6 +77,36 @@ class BudgetType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+def parse_ladder(text: str) -> tuple:
+    """'1/16,1/8,1/4,1/2' or '0.0625,0.25' or '256,1024' -> the budgets gate 'search' tries; validated."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        m = re.fullmatch(r"1/(\d+)", part)
+        out.append(1 / int(m.group(1)) if m and int(m.group(1)) > 0 else parse_budget(part))
+    if not 1 <= len(out) <= 4:
+        raise ValueError(f"--ladder takes 1 to 4 budgets, got {len(out)}")
+    return tuple(sorted(set(out), key=lambda b: (isinstance(b, int), b)))
+
+
+class LadderType(click.ParamType):
+    name = "ladder"
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        try:
+            return parse_ladder(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def ladder_option(f):
+    return click.option(
+        "--ladder", default="1/16,1/8,1/4,1/2", show_default=True, type=LadderType(),
+        help="--gate search / page+search: the budgets tried on one prefill, each checked on the answer; the "
+             "smallest that passes is kept (ratios like 1/8 or 0.125, or counts).")(f)
+
+
 def budget_option(f):
     return click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType(),
                         help="Kept positions when the cache is evicted: a ratio (0.25) or a count (1024).")(f)
@@ -90,8 +120,9 @@ def evictor_option(f):
 def gate_option(f):
     return click.option(
         "--gate", "gate", default=defaults.GATE, show_default=True, type=click.Choice(list(GATE_MODES)),
-        help="verify: evict, and keep the eviction only if the answer matches the full cache's; page: evict "
-             "when PAGE says it is safe; page+verify: both; always / never: force it.")(f)
+        help="verify: evict, and keep the eviction only if the answer matches the full cache's; search: the "
+             "same for every budget of --ladder, keeping the smallest that passes; page: evict when PAGE says it "
+             "is safe; page+verify / page+search: both; always / never: force it.")(f)
 
 
 def verify_tokens_option(f):

@@ -91,6 +91,15 @@ def status(d: Decision) -> str:
 def _turn_status(d: Decision) -> str:
     # T is the whole conversation; the cells may hold less when earlier turns were evicted
     full = f"full cache of {d.T} kept" if d.kept >= d.T else f"nothing evicted this turn ({d.kept} of {d.T} held)"
+    if d.search:
+        passed = [r["label"] for r in d.search if r["passed"]]
+        failed = [r["label"] for r in d.search if not r["passed"]]
+        tried = "; ".join(x for x in (f"passed {', '.join(passed)}" if passed else "",
+                                      f"{', '.join(failed)} failed" if failed else "") if x)
+        if d.evicted:
+            chosen = next(r["label"] for r in d.search if r["B"] == d.B)
+            return f"kept {chosen}: {d.kept} of {d.T} ({tried})"
+        return f"search refused every budget ({tried}): {full}"
     verify = d.gate_mode in VERIFY_MODES
     if verify and d.verify_m:
         if d.evicted:

@@ -41,6 +41,7 @@ class Decision:
     verify_ms: float | None = None  # the extra batch decode and the comparison
     lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms)
     gate_note: str | None = None  # a calibrated gate used far outside its pilot's prompt lengths
+    search: list[dict] | None = None  # gate "search": every rung tried {B, label, score, passed}, smallest first
     # room on demand (engine/room.py): the turn did not fit and earlier cells were evicted, unchecked
     room_evicted: int = 0  # cells of earlier turns evicted to make room (before the prompt and while answering)
     room_from: tuple[int, int] | None = None  # the lowest and highest position evicted to make room

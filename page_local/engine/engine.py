@@ -41,7 +41,7 @@ from page_local.errors import ContextFull, EngineBusy, StateFileError
 from page_local.evictors import get_evictor
 from page_local.evictors.base import resolve_budget
 from page_local.evictors.lorekv import MAX_FUTURES
-from page_local.gate import BASE_MODE, VERIFY_MODES, Gate, check_gate_mode
+from page_local.gate import BASE_MODE, SEARCH_MODES, VERIFY_MODES, Gate, check_gate_mode
 from page_local.native.runtime import Context, ContextConfig, Model
 from page_local.native.sampler import make_sampler, sample
 from page_local.store import models
@@ -89,7 +89,7 @@ class Engine:
                  verify_tokens: int = VERIFY_CAP, verify_threshold: float | None = None,
                  verify_rule: str = VERIFY_RULE, compact: bool = True,
                  n_gpu_layers: int | str | None = None, allow_long_context: bool = False,
-                 on_full: str = defaults.ON_FULL):
+                 on_full: str = defaults.ON_FULL, ladder=defaults.LADDER):
         path = Path(model) if model is not None else models.default_model_path()
         self.set_verify(verify_tokens, verify_threshold, verify_rule)
         self.compact = bool(compact)
@@ -97,6 +97,7 @@ class Engine:
         self.on_full = check_on_full(on_full)
         self.n_keep = 0  # positions below it are never evicted to make room (ChatSession: the system prompt)
         self.set_budget(budget)
+        self.set_ladder(ladder)
         self._evictor = supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = check_gate_mode(gate)  # validates the mode before loading anything
         # n_gpu_layers: a count, 'all', or None = $PAGE_LOCAL_N_GPU_LAYERS, else all on a GPU build, else 0
@@ -128,6 +129,16 @@ class Engine:
     def set_budget(self, budget: float | int) -> None:
         resolve_budget(budget, 10_000, W, N_SINK)  # validates (ratio or absolute) before use
         self.budget = budget
+
+    def set_ladder(self, ladder) -> None:
+        """The budgets gate mode 'search' tries (ratios of the conversation or cell counts), e.g. the
+        default (1/16, 1/8, 1/4, 1/2). At most 4 rungs: each is one candidate sequence."""
+        rungs = tuple(ladder)
+        if not 1 <= len(rungs) <= 4:
+            raise ValueError(f"the ladder must have 1 to 4 budgets, got {len(rungs)}")
+        for r in rungs:
+            resolve_budget(r, 10_000, W, N_SINK)  # validates each
+        self.ladder = rungs
 
     def set_evictor(self, name: str, **options) -> None:
         self._evictor = supported(get_evictor(name, **options))
@@ -184,7 +195,7 @@ class Engine:
         if snap.model_id != self.model_id:
             raise StateFileError(f"the cache was saved with another model ({snap.model_id}), not the loaded one "
                                  f"({self.model_id})")
-        if len(snap.positions) + 1 > self.n_ctx:
+        if len(snap.positions) > self.n_ctx:
             raise StateFileError(f"the cache holds {len(snap.positions)} cells; this engine's n_ctx is {self.n_ctx}")
         with self._busy():
             self._restore(snap)
@@ -309,7 +320,8 @@ class Engine:
         # room kept for the answer when room is made; the verify modes also need the candidate's copy of it
         reserve = min(max_tokens, max(1, ctx.n_ctx // 4))
         if self.gate_mode in VERIFY_MODES:
-            reserve += min(max_tokens, self.verify_tokens) + 1
+            copies = len(self.ladder) if self.gate_mode in SEARCH_MODES else 1
+            reserve += copies * (min(max_tokens, self.verify_tokens) + 1)
         dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
         stream.decision = dec
 
@@ -369,31 +381,44 @@ class Engine:
 
     def _verify(self, dec: Decision, plan: tuple, out: list[int], full_logits: list[np.ndarray],
                 end: int | None = None, until: str = "end") -> None:
-        """Self-verified eviction: teacher-force the generated tokens on an evicted copy of the sequence
-        (seq 1, sharing the prompt's cells) in one batch and score them (Pipeline.verify_span); commit
-        the copy iff it passes. end: the end-of-generation token the full cache chose after out (then
-        full_logits has one more entry, and the candidate must end the answer there too). Updates dec."""
+        """Self-verified eviction: teacher-force the generated tokens on evicted copies of the sequence
+        (seq 1.., sharing the prompt's cells) in one batch and score them (Pipeline.verify_span); commit
+        the smallest copy that passes (one copy under verify, one per ladder rung under search). end:
+        the end-of-generation token the full cache chose after out (then full_logits has one more
+        entry, and the candidate must end the answer there too). Updates dec."""
         ctx, pipe = self.ctx, self.pipeline
-        keep, held, last_pos, last_tok = plan
+        keeps, held, last_pos, last_tok = plan  # keeps: [(B, keep)], smallest B first
         m = len(out)
         t0 = time.perf_counter()
         dec.verify_threshold, dec.verify_rule = self.verify_threshold, self.verify_rule
-        if self.cells_used() + m + 1 > ctx.n_ctx:
+        if self.cells_used() + len(keeps) * (m + 1) > ctx.n_ctx:
             dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
             return
         y = list(out) + ([end] if end is not None else [])
         k = len(y)  # positions: m answer tokens (+ the answer's end)
-        _, ev_logits = pipe.candidate(keep, held, last_pos, [last_tok] + out, src=0, dst=1, logits="all")
-        ev_logits = ev_logits[:k]
+        if len(keeps) == 1:
+            all_logits = [pipe.candidate(keeps[0][1], held, last_pos, [last_tok] + out, src=0, dst=1, logits="all")[1]]
+        else:
+            all_logits = pipe.candidates([keep for _, keep in keeps], held, last_pos, [last_tok] + out)
         full_logits = full_logits[:k]
         lp_full = [logp(lg, t) for lg, t in zip(full_logits, y)]
         top_full = [top_token(lg, self.model.is_eog) for lg in full_logits]
-        v, _, changed = pipe.verify_span(lp_full, ev_logits, y, top_full, self.verify_rule, self.verify_threshold)
-        commit = v.passed
+        scored = [pipe.verify_span(lp_full, lg[:k], y, top_full, self.verify_rule, self.verify_threshold)
+                  for lg in all_logits]
+        chosen = next((i for i, (v, _, _) in enumerate(scored) if v.passed), None)
+        if len(keeps) > 1:
+            dec.search = [dict(B=B, label=label, score=v.score, passed=v.passed)
+                          for (B, _), label, (v, _, _) in zip(keeps, plan_labels(keeps, self.ladder, dec.T), scored)]
+        i = chosen if chosen is not None else len(keeps) - 1  # the verdict told: the chosen or the largest rung
+        v, _, changed = scored[i]
+        ev_logits = all_logits[i][:k]
+        dec.B = keeps[i][0]
+        commit = chosen is not None
         if commit:  # the candidate already holds the m tokens: it becomes the sequence
             ctx.seq_rm(0, -1, -1)
-            ctx.seq_cp(1, 0)
-            ctx.seq_rm(1, -1, -1)
+            ctx.seq_cp(1 + i, 0)
+            for j in range(len(keeps)):
+                ctx.seq_rm(1 + j, -1, -1)
             # the last output of the batch above is the evicted cache's next-token distribution;
             # compaction would rewrite the cells and lose it, so re-decode the newest token after it
             if self.compact:
@@ -402,7 +427,8 @@ class Engine:
                 ctx.page.compact(0)
                 ctx.decode([out[-1]], p, 0)
         else:
-            ctx.seq_rm(1, -1, -1)
+            for j in range(len(keeps)):
+                ctx.seq_rm(1 + j, -1, -1)
             p = ctx.seq_pos_max(0)  # restore seq 0's next-token logits
             ctx.seq_rm(0, p, p + 1)
             ctx.decode([out[-1]], p, 0)
@@ -415,8 +441,13 @@ class Engine:
         dec.compression = dec.T / dec.kept if dec.kept else 1.0
         span = {"end": f"the whole answer ({m} tokens and its end)", "cap": f"the first {m} tokens (the cap)",
                 "length": f"all {m} tokens generated"}[until]
-        dec.reason += (f"; self-verification over {span}: {v.describe()}, "
-                       + ("eviction committed" if commit else "kept the full cache"))
+        if dec.search:
+            tried = ", ".join(f"{r['label']} {'passed' if r['passed'] else 'failed'}" for r in dec.search)
+            dec.reason += (f"; budget search over {span} ({tried}): "
+                           + (f"committed the smallest that passed, B = {dec.B}" if commit else "kept the full cache"))
+        else:
+            dec.reason += (f"; self-verification over {span}: {v.describe()}, "
+                           + ("eviction committed" if commit else "kept the full cache"))
 
     # --- context policy (room.py) -------------------------------------------------------------------
     def _fit_and_prefill(self, toks: list[int], reserve: int, evict_now: bool,
@@ -567,18 +598,26 @@ class Engine:
                                    restore_logits=not evict_now)
             if "lookahead" in signals:
                 lookahead_ms = signals["lookahead"].ms
-            keep = pipe.select(ev, pre, B, signals, self.seed)
-            if evict_now:
-                pipe.evict_in_place(0, keep, pre.held, last_pos, last_tok, compact=self.compact)
-                evicted = True
+            if self.gate_mode in SEARCH_MODES:  # one keep set per rung, smallest first, from one probe
+                rungs = sorted({resolve_budget(r, T, W, N_SINK) for r in self.ladder})
+                rungs = [b for b in rungs if b < pre.T] or [B]
+                plan = ([(b, pipe.select(ev, pre, b, signals, self.seed)) for b in rungs], pre.held, last_pos, last_tok)
             else:
-                plan = (keep, pre.held, last_pos, last_tok)
+                keep = pipe.select(ev, pre, B, signals, self.seed)
+                if evict_now:
+                    pipe.evict_in_place(0, keep, pre.held, last_pos, last_tok, compact=self.compact)
+                    evicted = True
+                else:
+                    plan = ([(B, keep)], pre.held, last_pos, last_tok)
         t4 = time.perf_counter()
         reason = g.reason if g else "the probe saw fewer than 2 heads; keeping the full cache"
         verify = {}
         if self.gate_mode in VERIFY_MODES:
             if self.gate_mode == "verify":
                 reason = "gate mode 'verify': the evicted cache is checked on the answer (up to its end or the cap)"
+            elif self.gate_mode == "search":
+                reason = ("gate mode 'search': one candidate per budget of the ladder is checked on the answer; "
+                          "the smallest that passes is committed")
             if is_open and pre.T <= B:  # nothing to evict: the candidate is the full cache itself
                 verify = dict(verify_m=0, verify_delta=0.0, verify_score=0.0, verify_rule=self.verify_rule,
                               verify_threshold=self.verify_threshold)
@@ -621,3 +660,15 @@ def _chunks(toks: list[int], size: int) -> list[list[int]]:
     """toks in pieces of at most `size`, the last one full (it carries the question)."""
     head = len(toks) - size
     return [toks[i: min(i + size, head)] for i in range(0, head, size)] + [toks[head:]]
+
+
+def plan_labels(keeps, ladder, T: int) -> list[str]:
+    """How each rung is called in the status line: '1/8' for a ratio 0.125, '1024' for a count."""
+    names = {}
+    for r in ladder:
+        b = resolve_budget(r, T, W, N_SINK)
+        if isinstance(r, float) and r > 0 and abs(1 / r - round(1 / r)) < 1e-9:
+            names.setdefault(b, f"1/{round(1 / r)}" if r < 1 else "all")
+        else:
+            names.setdefault(b, str(r))
+    return [names.get(b, str(b)) for b, _ in keeps]

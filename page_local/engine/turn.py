@@ -196,6 +196,30 @@ class Pipeline:
             ctx.page.evict(dst, drop)
         return int(drop.size), self.decode(tokens, last_pos, dst, logits=logits)
 
+    def candidates(self, keeps: Sequence[np.ndarray], held: np.ndarray, last_pos: int, tokens: Sequence[int],
+                   src: int = 0) -> list[list[np.ndarray]]:
+        """Several evicted candidates at once (budget search): candidate i in sequence 1 + i is src minus
+        what keeps[i] does not hold (as candidate()), and the same tokens are decoded on all of them in
+        one batch (several when they pass n_batch). Returns each candidate's logits for every token."""
+        ctx = self.ctx
+        dsts = [1 + i for i in range(len(keeps))]
+        for keep, dst in zip(keeps, dsts):
+            ctx.seq_cp(src, dst, -1, last_pos)
+            drop = np.setdiff1d(held[held < last_pos], keep, assume_unique=True)
+            if drop.size:
+                ctx.page.evict(dst, drop)
+        n = len(tokens)
+        per_batch = max(1, ctx.n_batch // n) if n <= ctx.n_batch else 0
+        if per_batch == 0:  # a long span: one candidate at a time, in chunks
+            return [self.decode(tokens, last_pos, dst, logits="all") for dst in dsts]
+        out: list[list[np.ndarray]] = []
+        for g in range(0, len(dsts), per_batch):
+            group = dsts[g: g + per_batch]
+            ctx.decode_step(list(tokens) * len(group), [last_pos + j for j in range(n)] * len(group),
+                            [d for d in group for _ in range(n)])
+            out += [[ctx.logits(i * n + j) for j in range(n)] for i in range(len(group))]
+        return out
+
     def decode(self, tokens: Sequence[int], pos: int, seq: int, logits: str = "last") -> list[np.ndarray]:
         """Decode tokens at pos.. in seq in chunks of n_batch; with logits="all", every token's output
         logits (f32 (n_vocab,) each), else []."""

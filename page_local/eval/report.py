@@ -20,7 +20,7 @@ from page_local.eval import metrics
 from page_local.eval.rows import read_rows
 
 GATE_LABEL = {"full": "full", "always": "plain", "page": "PAGE", metrics.CALIBRATED: "PAGE (z)", "verify": "verify",
-              "page+verify": "PAGE+verify"}
+              "page+verify": "PAGE+verify", "search": "search", "page+search": "PAGE+search"}
 
 
 def _f(v, digits: int = 3) -> str:

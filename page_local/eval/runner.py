@@ -55,7 +55,7 @@ from page_local.chat.prompts import ChatPrompter, Prompt
 from page_local.engine.turn import N_SINK, W, supported
 from page_local.eval.rows import FULL, KEY_FIELDS, _jkey, read_rows, row_key
 from page_local.evictors.base import resolve_budget
-from page_local.gate import BASE_MODE, GATE_MODES, VERIFY_MODES
+from page_local.gate import BASE_MODE, GATE_MODES, SEARCH_MODES, VERIFY_MODES
 from page_local.verify import RULES, VERIFY_CAP, VERIFY_RULE, kl
 from page_local.tasks.readers import read_samples
 from page_local.tasks.synthetic import Sample, generate, get_task
@@ -103,6 +103,7 @@ class _Run:
         self.pipe = eng.pipeline  # the engine's own turn steps (engine/turn.py)
         self.page_gate = page_gate
         self.evictors, self.budgets, self.gates = evictors, list(budgets), list(gates)
+        self.ladder_key = _jkey(self.budgets)  # the search gates' "budget": the run's budgets are the ladder
         self.verify_m, self.seed = verify_m, seed
         self.need_commit = any(g in VERIFY_MODES for g in gates)
         self.last_full: Candidate | None = None  # the last sample's full-cache outcome (tests, debugging)
@@ -133,7 +134,8 @@ class _Run:
             cache: dict = {}  # evictor signals, computed once per sample
             for ename, ev in self.evictors.items():
                 for b in self.budgets:
-                    if not any((ename, _jkey(b), gname) in wanted for gname in self.gates):
+                    if not (any((ename, _jkey(b), gname) in wanted for gname in self.gates)
+                            or any((ename, self.ladder_key, gname) in wanted for gname in SEARCH_MODES)):
                         continue
                     B = resolve_budget(b, T, W, N_SINK)
                     if T <= B:
@@ -300,8 +302,43 @@ class _Run:
                     score_candidate=plain_score, correct_candidate=plain_score == 1.0,
                     score_committed=com_score, correct_committed=None if com_score is None else com_score == 1.0,
                     timings=timings))
+        rows += self._search_rows(p, T, page_open, base, full, full_pred, full_score, cands, wanted, shared)
         if agreement and rows and rows[0]["gate"] == FULL:
             rows[0]["agreement"] = agreement  # per-layer head agreement, on the full-cache row
+        return rows
+
+    def _search_rows(self, p, T, page_open, base, full, full_pred, full_score, cands, wanted, shared) -> list[dict]:
+        """Gate "search" (and "page+search") read off the per-budget candidates, as the engine decides it:
+        the run's budgets are the ladder; the smallest budget whose check passes is committed, and the
+        answer is that candidate's verified answer; none passes: the full cache. Greedy decoding and one
+        full-cache answer make every rung's check the one its own verify row records."""
+        rows = []
+        det = self.model.detokenize
+        for ename in self.evictors:
+            for gname in SEARCH_MODES:
+                if (ename, self.ladder_key, gname) not in wanted:
+                    continue
+                rungs = sorted((c.B, b, c) for b in self.budgets if (c := cands.get((ename, _jkey(b)))) is not None)
+                rungs = [r for r in rungs if r[2].evicted] or rungs[-1:]  # as the engine: rungs below T only
+                tried = [dict(B=B, budget=b, passed=bool(c.verify_open)) for B, b, c in rungs]
+                allowed = page_open or gname == "search"
+                chosen = next((r for r in rungs if r[2].verify_open and r[2].evicted), None) if allowed else None
+                if chosen is not None:
+                    B, b, c = chosen
+                    pred = det(c.committed) if c.committed is not None else full_pred
+                    sc = scoring.score(p.sample, pred)
+                    kept, nll_ev = c.kept, c.nll
+                else:
+                    B, c, pred, sc, kept, nll_ev = None, None, full_pred, full_score, T, full.nll
+                rows.append(dict(
+                    base, evictor=ename, budget=list(self.budgets), gate=gname, B=B, open=chosen is not None,
+                    evicted=chosen is not None, kept=kept, compression=T / kept if kept else 1.0, prediction=pred,
+                    finish="" if chosen is not None else full.finish, score=sc, correct=sc == 1.0,
+                    nll_evicted=nll_ev, delta_nll=nll_ev - full.nll, search=tried if allowed else [],
+                    delta_self=None if c is None else c.delta_self, verify_open=chosen is not None,
+                    verify_tokens=None if c is None else c.verify_m, verify_rule=VERIFY_RULE,
+                    verify_score=None if c is None else c.verify_score, verify_threshold=RULES[VERIFY_RULE][1],
+                    timings=dict(shared)))
         return rows
 
 
@@ -387,7 +424,8 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
 
     model: a registered name (smollm2, qwen2.5-coder, gemma3-270m), a GGUF path, or None (default).
     tasks/n/length: generated RULER-style samples; or input=FILE (RULER or kvpress rows).
-    gates: any of always, page, verify, page+verify; the full cache is always evaluated.
+    gates: any of always, page, verify, page+verify, search, page+search (the budgets are search's
+    ladder); the full cache is always evaluated.
     progress(done, total) counts rows (already present ones included; first call before any work).
     limit_s: stop after the sample during which this many seconds passed (the run stays resumable).
     n_gpu_layers, allow_long_context: as Engine's (allow_long_context also lifts the trained-context check).
@@ -444,7 +482,8 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     elif n_ctx < need:
         raise ValueError(f"n_ctx={n_ctx} is too small: the longest prompt needs {need} cells")
 
-    configs = [(None, None, FULL)] + [(e, b, g) for e in evs for b in budgets for g in gates]
+    configs = [(None, None, FULL)] + [(e, b, g) for e in evs for b in budgets for g in gates if g not in SEARCH_MODES]
+    configs += [(e, list(budgets), g) for e in evs for g in gates if g in SEARCH_MODES]  # the budgets: the ladder
     length_target = None if input is not None else length
 
     def key_of(s: Sample, e, b, g) -> tuple:

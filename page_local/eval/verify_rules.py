@@ -117,6 +117,69 @@ def by_task(rows, rule: str, threshold: float, cap: int, evictor: str = "snapkv"
     return dict(acc)
 
 
+def search(rows, rule: str = "argmax", threshold: float = 0.0, cap: int = 64, evictor: str = "snapkv") -> dict:
+    """Gate "search" re-decided from the rows: per input, the smallest budget whose check passes under
+    the rule is committed (as Engine(gate="search") with the run's budgets as its ladder), else the full
+    cache; beside it, verify at each fixed budget under the same rule. Returns {"search": line,
+    "fixed": {budget: line}, "chosen": {task: {budget label: count}}} with lost answers, realized
+    compression (mean and median T/kept) and the share of inputs evicted."""
+    cands = _candidates(rows, evictor)
+    inputs = sorted({k[:2] for k in cands})
+    budgets = sorted({k[2] for k in cands})  # smallest first: the ladder
+
+    def line(choice: dict) -> dict:
+        right = [i for i in inputs if cands[(*i, budgets[0])]["correct_full"]]
+        comp = [cands[(*i, b)]["T"] / cands[(*i, b)]["kept"] if b is not None else 1.0 for i, (b, _) in choice.items()]
+        return dict(n=len(inputs), right=len(right),
+                    lost=sum(choice[i][0] is not None and choice[i][1] is False for i in right),
+                    unknown=sum(choice[i][0] is not None and choice[i][1] is None for i in right),
+                    evicted=float(np.mean([b is not None for b, _ in choice.values()])),
+                    compression=float(np.mean(comp)), median_compression=float(np.median(comp)))
+
+    chosen: dict = defaultdict(lambda: defaultdict(int))
+    pick = {}
+    for i in inputs:
+        pick[i] = (None, cands[(*i, budgets[0])]["correct_full"])
+        for b in budgets:
+            committed, correct = decide(cands[(*i, b)], rule, threshold, cap)
+            if committed:
+                pick[i] = (b, correct)
+                break
+        chosen[i[0]][str(pick[i][0]) if pick[i][0] is not None else "full"] += 1
+    fixed = {}
+    for b in budgets:
+        dec = {i: decide(cands[(*i, b)], rule, threshold, cap) for i in inputs}
+        fixed[b] = line({i: (b if c else None, ok) for i, (c, ok) in dec.items()})
+    return {"search": line(pick), "fixed": fixed, "chosen": {t: dict(v) for t, v in sorted(chosen.items())}}
+
+
+def search_recorded(rows, evictor: str = "snapkv") -> dict:
+    """Gate "search" read off the verify rows as they were recorded (whatever rule the run used, for runs
+    without per-token traces): per input, the smallest budget whose verify row evicted. Same lines as
+    search(): {"search": ..., "fixed": {budget: ...}}."""
+    ver = defaultdict(dict)
+    for r in rows:
+        if r.get("evictor") == evictor and r.get("gate") == "verify":
+            ver[(r["task"], r["index"])][r["budget"]] = r
+    inputs = sorted(ver)
+    budgets = sorted({b for v in ver.values() for b in v})
+
+    def line(pick: dict) -> dict:
+        right = [i for i in inputs if next(iter(ver[i].values()))["correct_full"]]
+        comp = [r["T"] / r["kept"] if r is not None else 1.0 for r in pick.values()]
+        return dict(n=len(inputs), right=len(right), unknown=0,
+                    lost=sum(pick[i] is not None and not pick[i]["correct"] for i in right),
+                    evicted=float(np.mean([r is not None for r in pick.values()])),
+                    compression=float(np.mean(comp)), median_compression=float(np.median(comp)))
+
+    pick = {i: next((ver[i][b] for b in budgets if b in ver[i] and ver[i][b]["evicted"]), None) for i in inputs}
+    fixed = {b: line({i: ver[i][b] if ver[i].get(b, {}).get("evicted") else None for i in inputs}) for b in budgets}
+    chosen: dict = defaultdict(lambda: defaultdict(int))
+    for i, r in pick.items():
+        chosen[i[0]][str(r["budget"]) if r is not None else "full"] += 1
+    return {"search": line(pick), "fixed": fixed, "chosen": {t: dict(v) for t, v in sorted(chosen.items())}}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows")
@@ -125,8 +188,27 @@ def main(argv=None) -> None:
     ap.add_argument("--caps", default="64", help="comma-separated caps (each <= the run's --verify-m)")
     ap.add_argument("--evictor", default="snapkv")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--search", default=None, metavar="RULE:THRESHOLD",
+                    help="re-decide gate 'search' (the run's budgets as the ladder) under this rule, e.g. argmax:0, "
+                         "or 'recorded': from the verify rows as they were decided (runs without traces)")
     a = ap.parse_args(argv)
     rows = read_rows(a.rows)
+    if a.search:
+        if a.search == "recorded":
+            s = search_recorded(rows, a.evictor)
+        else:
+            rule, thr = a.search.split(":")
+            s = search(rows, rule, float(thr), int(a.caps.split(",")[0]), a.evictor)
+        if a.json:
+            print(json.dumps(s))
+            return
+        print("| gate | correct answers lost (of right w/ full) | evicted | mean T/kept | median T/kept |")
+        print("|---|---|---|---|---|")
+        for label, x in [(f"verify at {b}", v) for b, v in s["fixed"].items()] + [("search (smallest passing)", s["search"])]:
+            print(f"| {label} | {x['lost']}/{x['right']}" + (f" (+{x['unknown']} unknown)" if x["unknown"] else "")
+                  + f" | {x['evicted']:.2f} | {x['compression']:.2f} | {x['median_compression']:.2f} |")
+        print("\nchosen budget per task: " + "; ".join(f"{t} {dict(sorted(c.items()))}" for t, c in s["chosen"].items()))
+        return
     samples = {(r["task"], r["index"]) for r in rows}
     old = [r for r in read_rows(a.old) if (r["task"], r["index"]) in samples] if a.old else None
     t = table(rows, old, rules=a.rules.split(","), caps=[int(c) for c in a.caps.split(",")], evictor=a.evictor)
