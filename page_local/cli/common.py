@@ -5,6 +5,7 @@ one-line errors (exit codes: 0 ok, 2 usage, 1 runtime error)."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -63,18 +64,25 @@ def parse_budget(text: str) -> float | int:
     return value
 
 
-class BudgetType(click.ParamType):
-    """A ratio with a decimal point ("0.25": keep a quarter) or an absolute count ("1024")."""
+class _Parsed(click.ParamType):
+    """A click type over a parse function whose ValueError is the user's one-line error."""
 
-    name = "budget"
+    parse = staticmethod(lambda text: text)
 
     def convert(self, value, param, ctx):
         if not isinstance(value, str):
             return value
         try:
-            return parse_budget(value)
+            return self.parse(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+class BudgetType(_Parsed):
+    """A ratio with a decimal point ("0.25": keep a quarter) or an absolute count ("1024")."""
+
+    name = "budget"
+    parse = staticmethod(parse_budget)
 
 
 def parse_ladder(text: str) -> tuple:
@@ -88,16 +96,11 @@ def parse_ladder(text: str) -> tuple:
     return tuple(sorted(set(out), key=lambda b: (isinstance(b, int), b)))
 
 
-class LadderType(click.ParamType):
-    name = "ladder"
+class LadderType(_Parsed):
+    """Up to four budgets, comma-separated: '1/16,1/8,1/4,1/2'."""
 
-    def convert(self, value, param, ctx):
-        if not isinstance(value, str):
-            return value
-        try:
-            return parse_ladder(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+    name = "ladder"
+    parse = staticmethod(parse_ladder)
 
 
 def ladder_option(f):
@@ -163,15 +166,44 @@ class GpuLayersType(click.ParamType):
             self.fail(f"{value!r} is neither a number of layers (0 or more) nor 'all'", param, ctx)
 
 
+def _set_rpc(ctx: click.Context, param, value):
+    """--rpc becomes $PAGE_LOCAL_RPC for this command (every Model it loads, a benchmark's subprocesses
+    too), and the variable is put back when the command ends."""
+    if value is None:
+        return None
+    from page_local.native.runtime import RPC_ENV, parse_rpc
+
+    try:
+        servers = parse_rpc(value, "--rpc")
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("--rpc: "), ctx=ctx, param=param) from None
+    if not servers:
+        raise click.BadParameter("give at least one HOST:PORT", ctx=ctx, param=param)
+    before = os.environ.get(RPC_ENV)
+    os.environ[RPC_ENV] = ",".join(servers)
+    ctx.call_on_close(lambda: os.environ.pop(RPC_ENV, None) if before is None else os.environ.update({RPC_ENV: before}))
+    return None
+
+
+def rpc_option(f):
+    return click.option(
+        "--rpc", metavar="HOST:PORT[,...]", default=None, expose_value=False, callback=_set_rpc,
+        help="Put layers and their KV cache on ggml-rpc-server processes as well (docs/rpc.md); default: "
+             "$PAGE_LOCAL_RPC. RPC is unauthenticated and unencrypted: loopback or a trusted LAN only.")(f)
+
+
 def n_gpu_layers_option(f):
+    """--n-gpu-layers, and --rpc (remote devices are offload targets as GPUs are)."""
+    f = rpc_option(f)
     return click.option(
         "--n-gpu-layers", "n_gpu_layers", type=GpuLayersType(), default=None, metavar="N|all",
-        help="Layers to offload to the GPU: a count or 'all'. Default: $PAGE_LOCAL_N_GPU_LAYERS, else all "
-             "when the library has a GPU backend and a device (a CUDA or Metal build), else 0.")(f)
+        help="Layers to offload to the GPU (and the --rpc servers): a count or 'all'. Default: "
+             "$PAGE_LOCAL_N_GPU_LAYERS, else all when the library has a GPU backend and a device (a CUDA or "
+             "Metal build) or --rpc is given, else 0.")(f)
 
 
 def load_options(f):
-    """--n-gpu-layers and --allow-long-context, for commands that load a model into an Engine."""
+    """--n-gpu-layers, --rpc and --allow-long-context, for commands that load a model into an Engine."""
     f = click.option(
         "--allow-long-context", "allow_long_context", is_flag=True,
         help="Run with an --n-ctx larger than the model's trained context (refused otherwise: answers past "
