@@ -91,7 +91,7 @@ def test_niah_values_are_in_the_context(task):
     for s in generate(task, 4, 2000, ws, seed=11):
         type_v = "uuids" if task == "niah_multikey_3" else "numbers"
         lines = s.context.split("\n")[1:]
-        needles = [ln for ln in lines if ln != NOISE]
+        needles = [ln for ln in lines if ln.startswith("One of the special magic")]
         for key in s.meta["keys"]:
             mine = [ln for ln in needles if f" for {key} is: " in ln]
             assert mine, key
@@ -106,6 +106,9 @@ def test_niah_values_are_in_the_context(task):
             pat = re.compile(rf"One of the special magic {type_v} for \S+ is: \S+\.")
             assert all(pat.fullmatch(ln) for ln in lines)
             assert len(lines) > 50
+        elif s.meta["haystack"] == "prose":  # generated prose around the needles, never a needle-like line
+            assert len(needles) == len(s.answers) and NOISE not in lines and "magic" not in "".join(
+                ln for ln in lines if ln not in needles)
         else:
             assert len(needles) == len(s.answers) and lines.count(NOISE) == len(lines) - len(needles)
 
@@ -415,3 +418,14 @@ def test_scoring_properties(refs, pred):
     s = Sample(task="niah_multivalue", index=0, context="c", question="q", answer_prefix="p",
                answers=refs, max_new_tokens=8)
     assert scoring.correct(s, pred) == (scoring.score(s, pred) == 1.0)
+
+
+@pytest.mark.parametrize("task", ["niah_single_2", "niah_multivalue_essay", "niah_multiquery_essay"])
+def test_essay_haystack_tasks_hide_their_needles_in_varied_prose(task):
+    samples = generate(task, 3, 1500, ws, seed=7)
+    for s in samples:
+        lines = [ln for ln in s.context.split("\n") if ln.strip()]
+        prose = [ln for ln in lines if "special magic" not in ln]
+        assert len(set(prose)) > 0.9 * len(prose) > 20  # real variety, not a repeated noise sentence
+        assert all(a in s.context for a in s.answers) and len(s.answers) == (1 if task == "niah_single_2" else 4)
+        assert ws(s.context) <= 1500

@@ -14,6 +14,8 @@ Tasks (RULER's generators, templates and answer prefixes; `TASKS` below):
 * niah_multivalue 1 key, 4 values;  niah_multiquery 4 keys, all 4 queried.  DEVIATION: RULER puts
                   these two on the Paul Graham essay haystack; here they use the noise haystack,
                   because the essays are external data.
+* niah_single_2, niah_multivalue_essay, niah_multiquery_essay: the same needles in an essay-like
+                  haystack of generated prose (the pilot's sentence grammar; no two lines alike)
 * vt              1 chain, 4 hops, noise haystack, one in-context example (RULER builds it at 500
                   tokens; here at min(500, target_tokens // 3) so that short targets still fit)
 * cwe             numbered word list, 10 common words x 30 and the rest x 3 with a 40-word
@@ -402,6 +404,8 @@ def _niah(haystack: str, k_type: str, v_type: str, n_k: int, n_v: int, n_q: int)
         rng.shuffle(needles)
         if haystack == "noise":
             lines = [NOISE] * size
+        elif haystack == "prose":  # an essay-like haystack: generated sentences, no two lines alike
+            lines = [_sentence(rng) for _ in range(size)]
         else:  # every line a distractor needle; never a real key, so the answer is unique
             real = set(keys)
             lines = [NEEDLE.format(type_v=v_type, key=_distinct(lambda: _DRAW[k_type](rng), 1,
@@ -507,14 +511,17 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
+def _sentence(rng: random.Random) -> str:
+    """One generated sentence of prose (the unlabeled pilot's and the essay haystack's)."""
+    w = {"a": rng.choice(ADJECTIVES), "a2": rng.choice(ADJECTIVES), "n": rng.choice(NOUNS),
+         "n2": rng.choice(NOUNS), "n3": rng.choice(NOUNS), "v": rng.choice(VERBS)}
+    w.update({f"an_{k}": _article(w[k]) for k in ("a", "a2", "n2", "n3")})
+    s = rng.choice(_PROSE).format(**w)
+    return s[0].upper() + s[1:]
+
+
 def _prose(rng: random.Random, size: int, env: _Env):
-    sentences = []
-    for _ in range(size):
-        w = {"a": rng.choice(ADJECTIVES), "a2": rng.choice(ADJECTIVES), "n": rng.choice(NOUNS),
-             "n2": rng.choice(NOUNS), "n3": rng.choice(NOUNS), "v": rng.choice(VERBS)}
-        w.update({f"an_{k}": _article(w[k]) for k in ("a", "a2", "n2", "n3")})
-        s = rng.choice(_PROSE).format(**w)
-        sentences.append(s[0].upper() + s[1:])
+    sentences = [_sentence(rng) for _ in range(size)]
     paragraphs = [" ".join(sentences[i:i + 6]) for i in range(0, len(sentences), 6)]
     context = PROSE_INSTRUCTION + "\n\n" + "\n\n".join(paragraphs)
     return context, PROSE_QUESTION, "", [], {"sentences": size}
@@ -537,6 +544,13 @@ TASKS: dict[str, TaskSpec] = {s.name: s for s in (
           "one key, 4 values, noise haystack (RULER: essay)"),
     _spec("niah_multiquery", "niah", _niah("noise", "words", "numbers", 4, 1, 4), 4,
           "4 keys, all queried, noise haystack (RULER: essay)"),
+    # RULER's essay haystack is external data (Paul Graham essays); these use generated prose instead
+    _spec("niah_single_2", "niah", _niah("prose", "words", "numbers", 1, 1, 1), 1,
+          "one word key -> 7-digit number in an essay-like (generated prose) haystack"),
+    _spec("niah_multivalue_essay", "niah", _niah("prose", "words", "numbers", 1, 4, 1), 4,
+          "one key, 4 values, essay-like haystack (RULER's niah_multivalue)"),
+    _spec("niah_multiquery_essay", "niah", _niah("prose", "words", "numbers", 4, 1, 4), 4,
+          "4 keys, all queried, essay-like haystack (RULER's niah_multiquery)"),
     _spec("vt", "vt", _vt, 5, "variable tracking: 1 chain of 4 hops, one in-context example"),
     _spec("cwe", "cwe", _cwe, 11, "10 most common words of a numbered list"),
     # 80: the smallest Zipf total where ranks 2-5 all have distinct counts
