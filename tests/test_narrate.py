@@ -119,3 +119,33 @@ def test_summary_adds_the_generation():
     d, status = CASES["verify-refused"]
     r = Result("Paris is the capital.", list(range(12)), d, "stop", prompt_tokens=1897, gen_s=0.24)
     assert narrate.summary(r) == f"{status}; 12 tokens at 50.0 tok/s; finish: stop"
+
+
+def test_room_making_is_told_after_what_the_turn_did():
+    from page_local.cli import narrate
+    from fakes import decision
+
+    d = decision(T=4494, B=1123, kept=1123, open=True, evicted=True, gate_mode="verify", rule="forced",
+                 verify_m=12, verify_until="end", verify_rule="argmax", verify_score=0.0, verify_threshold=0.0,
+                 room_evicted=933, room_from=(28, 1863), chunks=3, prompt_tokens=4494, prompt_held=3561)
+    s = narrate.status(d)
+    assert s.startswith("evicted to 1123 of 4494, verified")
+    assert "made room: 933 earlier cells evicted (unchecked); read in 3 parts, 3561 of its 4494 tokens held" in s
+    assert "positions 28-1863" in narrate.why(d) and "not checked" in narrate.why(d)
+    plain = decision(T=638, B=159, kept=638, open=False, evicted=False, gate_mode="page", rule="raw", D=0.02)
+    assert narrate.room_words(plain) is None and "made room" not in narrate.status(plain)
+
+
+def test_budget_search_is_told_by_its_rungs():
+    from page_local.cli import narrate
+    from fakes import decision
+
+    rungs = [dict(B=40, label="1/16", score=3.0, passed=False), dict(B=80, label="1/8", score=0.0, passed=True),
+             dict(B=160, label="1/4", score=0.0, passed=True)]
+    d = decision(T=640, B=80, kept=80, open=True, evicted=True, gate_mode="search", rule="forced", verify_m=9,
+                 verify_rule="argmax", verify_score=0.0, verify_threshold=0.0, search=rungs)
+    assert narrate.status(d) == "kept 1/8: 80 of 640 (passed 1/8, 1/4; 1/16 failed)"
+    refused = decision(T=640, B=160, kept=640, open=True, evicted=False, gate_mode="search", rule="forced",
+                       verify_m=9, verify_rule="argmax", verify_score=2.0, verify_threshold=0.0,
+                       search=[dict(r, passed=False) for r in rungs])
+    assert narrate.status(refused).startswith("search refused every budget (1/16, 1/8, 1/4 failed)")

@@ -63,11 +63,11 @@ def _unchecked(d: Decision) -> tuple[str, str]:
 
 def room_words(d: Decision) -> str | None:
     """What the context policy did to fit the turn (engine/room.py), or None when it did nothing:
-    'made room: 1840 cells of earlier turns evicted (unchecked); read in 3 parts, 610 of its 2604 tokens
+    'made room: 1840 earlier cells evicted (unchecked); read in 3 parts, 610 of its 2604 tokens
     held; positions renumbered'."""
     parts = []
     if d.room_evicted:
-        parts.append(f"made room: {d.room_evicted} cells of earlier turns evicted (unchecked)")
+        parts.append(f"made room: {d.room_evicted} earlier cells evicted (unchecked)")
     if d.chunks > 1:
         parts.append(f"read in {d.chunks} parts, {d.prompt_held} of its {d.prompt_tokens} tokens held")
     if d.gaps_closed:
