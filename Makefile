@@ -4,9 +4,11 @@
 # Both are idempotent and take seconds when nothing changed (ccache + ninja + stamps).
 #
 # GPU builds: make setup BACKEND=cuda   (NVIDIA, GGML_CUDA)   or   BACKEND=metal (Apple).
+# RPC=1 (the default) builds ggml's RPC backend and ggml-rpc-server (docs/rpc.md); RPC=0 leaves them out.
 
 PYTHON   ?= python3
 BACKEND  ?= cpu
+RPC      ?= 1
 VENV     := .venv
 BIN      := $(VENV)/bin
 BUILD    := build
@@ -30,16 +32,17 @@ $(VENV)/.stamp-venv:
 # page-local itself: the same `pip install` a user runs (pyproject.toml -> scikit-build-core ->
 # CMakeLists.txt), as an editable install over the build tree build/: page_local/ is used from the
 # checkout, the libraries, bindings/ and llama_cpp are installed copies. It runs again only when
-# one of those sources, the build files or BACKEND changed; then ninja rebuilds what changed.
+# one of those sources, the build files, BACKEND or RPC changed; then ninja rebuilds what changed.
 NATIVE_SRC := pyproject.toml CMakeLists.txt csrc/UPSTREAM csrc/upstream.patch \
               $(wildcard csrc/*.cpp csrc/*.h csrc/include/*.h bindings/*.py)
 PIP_E := $(BIN)/pip install -q --no-build-isolation \
          -Ccmake.define.PAGE_BACKEND=$(BACKEND) -Ccmake.define.PAGE_CACHE_DIR=$(CACHE) \
-         -Cbuild.tool-args=-j$(JOBS)
-$(VENV)/.stamp-page-local: $(NATIVE_SRC) $(VENV)/.stamp-venv $(VENV)/.backend-$(BACKEND) $(VENV)/.py-modules
+         -Ccmake.define.PAGE_RPC=$(if $(filter 1,$(RPC)),ON,OFF) -Cbuild.tool-args=-j$(JOBS)
+$(VENV)/.stamp-page-local: $(NATIVE_SRC) $(VENV)/.stamp-venv $(VENV)/.backend-$(BACKEND) $(VENV)/.rpc-$(RPC) \
+                           $(VENV)/.py-modules
 	@# a venv made before llama_cpp came with page-local holds llama-cpp-python's own copy
 	$(BIN)/pip uninstall -q -y llama-cpp-python 2>/dev/null || true
-	$(PIP_E) -e ".[test]"
+	$(PIP_E) -e ".[test,serve]"
 	touch $@
 
 # The editable install maps each module of page_local/ to its file when it is made: a module added,
@@ -54,6 +57,12 @@ FORCE:
 # BACKEND switches (cpu, cuda, metal) force the install above to run again
 $(VENV)/.backend-$(BACKEND): | $(VENV)/.stamp-venv
 	rm -f $(VENV)/.backend-*
+	touch $@
+
+# so does switching RPC (1, 0)
+$(VENV)/.rpc-$(RPC): | $(VENV)/.stamp-venv
+	@case "$(RPC)" in 0|1) ;; *) echo "RPC must be 0 or 1 (got '$(RPC)')" >&2; exit 2;; esac
+	rm -f $(VENV)/.rpc-*
 	touch $@
 
 # the embedded default model: SmolLM2-135M-Instruct Q4_1, shipped inside a PyPI wheel
