@@ -176,7 +176,7 @@ SLOW = {"peer": pytest.mark.slow, "memory": pytest.mark.slow}
 
 
 def test_every_bench_subcommand_is_tested(cli):
-    assert set(bench_group.commands) == set(BENCHES)
+    assert set(bench_group.commands) == set(BENCHES) | {"serve"}  # bench serve: tests/test_serve_bench.py
     res = cli("bench", "--help")
     assert res.exit_code == 0 and all(name in res.stdout for name in BENCHES)
 

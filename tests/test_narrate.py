@@ -1,4 +1,4 @@
-"""cli/narrate.py on hand-built Decisions: every kind of turn is told by what happened to the cache
+"""engine/narrate.py on hand-built Decisions: every kind of turn is told by what happened to the cache
 first (the verdict that decided it), then why. The 'verify-refused' case is the bug this module
 fixed: a /read essay whose self-verification refused the eviction was reported as 'gate open ...
 kept 1897/1897'."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from page_local.cli import narrate
+from page_local.engine import narrate
 from page_local.engine import Result
 from tests.fakes import decision
 
@@ -122,7 +122,7 @@ def test_summary_adds_the_generation():
 
 
 def test_room_making_is_told_after_what_the_turn_did():
-    from page_local.cli import narrate
+    from page_local.engine import narrate
     from fakes import decision
 
     d = decision(T=4494, B=1123, kept=1123, open=True, evicted=True, gate_mode="verify", rule="forced",
@@ -137,7 +137,7 @@ def test_room_making_is_told_after_what_the_turn_did():
 
 
 def test_budget_search_is_told_by_its_rungs():
-    from page_local.cli import narrate
+    from page_local.engine import narrate
     from fakes import decision
 
     rungs = [dict(B=40, label="1/16", score=3.0, passed=False), dict(B=80, label="1/8", score=0.0, passed=True),

@@ -2,7 +2,7 @@
 
 Most tests run on tests/fakes.py (no model: queued answers and Decisions), so they pin the REPL's
 own behaviour: what each command prints, that the status line tells what happened to the cache
-(cli/narrate.py), that errors leave the conversation usable. A few end-to-end tests run the real
+(engine/narrate.py), that errors leave the conversation usable. A few end-to-end tests run the real
 SmolLM2 engine and ChatSession (small n_ctx, max_tokens 8): a turn, eviction, self-verification,
 save/load, a cut prefill, Ctrl-C, and the click command on piped stdin."""
 
@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from page_local.chat.session import SAVE_FORMAT, ChatSession
-from page_local.cli import narrate
+from page_local.engine import narrate
 from page_local.cli.chat import chat_cmd
 from page_local.cli.repl import Repl, run_loop
 from page_local.errors import ContextFull, DecodeError

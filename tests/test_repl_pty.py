@@ -125,7 +125,7 @@ def chat(smollm2_path, tmp_path):
 
 
 def status_line(out: str) -> str:
-    """The line after an answer: what happened to the cache (cli/narrate.py), speed, cells, how it ended."""
+    """The line after an answer: what happened to the cache (engine/narrate.py), speed, cells, how it ended."""
     lines = [ln for ln in out.splitlines() if " cells" in ln]
     assert lines, f"no status line in {out!r}"
     line = lines[-1]

@@ -16,6 +16,7 @@ from page_local.cli.eval import eval_group
 from page_local.cli.inspect import inspect_cmd
 from page_local.cli.models import models_cmd
 from page_local.cli.run import run_cmd
+from page_local.cli.serve import bench_serve_cmd, serve_cmd
 
 
 @click.group()
@@ -25,5 +26,6 @@ def main():
     show_llama_log()
 
 
-for _command in (run_cmd, chat_cmd, models_cmd, calibrate_cmd, inspect_cmd, eval_group, bench_group):
+for _command in (run_cmd, chat_cmd, models_cmd, calibrate_cmd, inspect_cmd, eval_group, bench_group, serve_cmd):
     main.add_command(_command)
+bench_group.add_command(bench_serve_cmd, name="serve")  # beside its server (cli/serve.py)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from page_local.cli import common, narrate
+from page_local.cli import common
+from page_local.engine import narrate
 
 _SPARK = "▁▂▃▄▅▆▇█"
 

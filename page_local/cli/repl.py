@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from page_local.chat.session import ChatSession
-from page_local.cli import narrate
+from page_local.engine import narrate
 from page_local.cli.common import parse_budget
 from page_local.engine import Decision, Result, Sampling
 from page_local.engine.room import check_on_full

@@ -8,7 +8,7 @@ import json
 import click
 
 from page_local import defaults
-from page_local.cli import narrate
+from page_local.engine import narrate
 from page_local.cli.common import (
     engine_options,
     ladder_option,

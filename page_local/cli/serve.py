@@ -1,0 +1,168 @@
+"""`page-local serve`: the OpenAI-compatible local server (docs/serve.md), and `page-local bench serve`,
+its load test. Both are thin shells: the server is page_local.serve, the load test
+page_local.serve.bench. Needs the optional extra: pip install 'page-local[serve]'."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+
+import click
+
+from page_local.cli.common import (
+    engine_options,
+    fail,
+    model_option,
+    n_ctx_option,
+    one_line_errors,
+    resolve_model,
+    show_llama_log,
+    threads_option,
+)
+
+SERVE_EXTRA = "the server needs the optional [serve] extra: pip install 'page-local[serve]'"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost may resolve to anything
+        return False
+
+
+def served_name(path) -> str:
+    """The id clients send as "model": the registry name of the file (`smollm2`, ...), else its stem."""
+    from page_local.store import models
+
+    for name in models.REGISTRY:
+        try:
+            known = models.model_path(name)
+        except (OSError, ValueError):
+            continue
+        if known is not None and known.resolve() == path.resolve():
+            return name
+    return path.stem
+
+
+@click.command("serve")
+@model_option
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --api-key.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--api-key", "api_key", envvar="PAGE_LOCAL_API_KEY", default=None, metavar="KEY",
+              help="Require `Authorization: Bearer KEY` on every route but /health (default: $PAGE_LOCAL_API_KEY).")
+@click.option("--parallel", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="Requests served at once: one engine (context) per slot over the same GGUF file.")
+@click.option("--queue", default=16, show_default=True, type=click.IntRange(0, 4096),
+              help="Requests that may wait for a slot; beyond them: 503 with Retry-After.")
+@click.option("--cache-mb", "cache_mb", default=512, show_default=True, type=click.IntRange(0),
+              help="Host RAM for the KV caches of conversations pushed out of the slots (LRU).")
+@click.option("--max-tokens-limit", "max_tokens_limit", default=None, type=click.IntRange(1),
+              help="The largest max_tokens a request may ask for, and the default (default: --n-ctx).")
+@click.option("--max-body-kb", "max_body_kb", default=2048, show_default=True, type=click.IntRange(1),
+              help="Request bodies over this size get 413.")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Allow browser pages from ORIGIN (repeatable; '*' for any). CORS is off without it.")
+def serve_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers, allow_long_context,
+              host, port, api_key, parallel, queue, cache_mb, max_tokens_limit, max_body_kb, cors_origins):
+    """An OpenAI-compatible HTTP server on this machine: /v1/chat/completions, /v1/completions,
+    /v1/models, /health. Conversations a client resends are not prefilled again."""
+    show_llama_log()
+    if not is_loopback(host) and not api_key:
+        raise click.UsageError(f"--host {host} is reachable from other machines: give an --api-key "
+                               "(or $PAGE_LOCAL_API_KEY), or bind 127.0.0.1")
+    try:
+        import uvicorn
+
+        from page_local.serve.app import create_app
+        from page_local.serve.backend import Backend, Settings
+    except ImportError as e:
+        fail(f"{SERVE_EXTRA} ({e})", 1)
+    path = resolve_model(model)
+    with one_line_errors():
+        from page_local.native.runtime import check_gguf
+
+        check_gguf(path)  # a missing or non-GGUF file fails now, in one line, not in the loading thread
+    name = served_name(path)
+    settings = Settings(model_path=path, served_name=name, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate,
+                        verify_tokens=verify_tokens, on_full=on_full, threads=threads, n_gpu_layers=n_gpu_layers,
+                        allow_long_context=allow_long_context, parallel=parallel, queue=queue,
+                        cache_bytes=cache_mb * 2**20, max_tokens_limit=max_tokens_limit or 0,
+                        max_body_bytes=max_body_kb * 1024, api_key=api_key, cors_origins=list(cors_origins))
+    backend = Backend(settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
+                                           access_log=False, lifespan="on", timeout_graceful_shutdown=3))
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"page-local serve: http://{shown}:{port}/v1 (model {name}); loading", err=True)
+
+    def on_ready():  # in the loading thread: said once the model is loaded and the port is bound
+        while not (server.started or server.should_exit or backend.state == "closed"):
+            time.sleep(0.05)
+        if not server.started or server.should_exit:
+            return
+        for w in backend.warnings:
+            click.echo(f"warning: {w}", err=True)
+        click.echo(f"page-local serve: ready: {parallel} slot{'s' if parallel > 1 else ''}, n_ctx {n_ctx}, "
+                   f"gate {gate}, budget {budget}, evictor {evictor}, on full: {on_full}" + ("" if api_key else ", no API key"), err=True)
+
+    def on_error(message: str):
+        server.should_exit = True
+
+    backend.start_loading(on_ready, on_error)
+    could_not_start = False
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down and re-raised it; a normal way to stop
+        click.echo("page-local serve: stopped", err=True)
+    except SystemExit:  # uvicorn could not listen (the port is taken, ...) and has logged why
+        server.should_exit = could_not_start = True
+    finally:
+        backend.close()
+    if backend.error:
+        fail(backend.error, 1)
+    if could_not_start:
+        fail(f"could not listen on {shown}:{port} (the line above says why); choose another --port", 1)
+
+
+@click.command("serve")
+@model_option
+@click.option("--clients", default=8, show_default=True, type=click.IntRange(1, 64),
+              help="Concurrent clients, each holding one conversation.")
+@click.option("--requests", "n_requests", default=48, show_default=True, type=click.IntRange(1),
+              help="Requests in all, shared among the clients (a client's requests are the turns of its chat).")
+@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1))
+@click.option("--parallel", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="The server's --parallel.")
+@n_ctx_option
+@threads_option
+@click.option("--peer-python", "peer_python", default=None, metavar="PYTHON",
+              help="Instead of the load test: page-local serve next to llama-cpp-python's own server, run by "
+                   "PYTHON (a venv with llama-cpp-python[server]): time to first token on turn 6 of a chat, "
+                   "throughput with 4 clients, as ratios.")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON line")
+def bench_serve_cmd(model, clients, n_requests, max_tokens, parallel, n_ctx, threads, peer_python, as_json):
+    """Load test of `page-local serve` (started here, twice): every request served alone first, then
+    the same requests from concurrent clients (streamed and not, mixed gates); answers compared,
+    time to first token, throughput, the server's memory."""
+    from page_local.serve.bench import describe, serve_benchmark
+
+    path = resolve_model(model)
+    say = None if as_json else (lambda m: click.echo(m, err=True))
+    if peer_python:
+        from page_local.serve import peer
+
+        with one_line_errors():
+            res = peer.peer_comparison(path, peer_python, max_tokens=max_tokens, n_ctx=n_ctx, threads=threads,
+                                       progress=say)
+        click.echo(json.dumps(res) if as_json else peer.describe(res))
+        return
+    with one_line_errors():
+        res = serve_benchmark(path, clients=clients, requests=n_requests, max_tokens=max_tokens, parallel=parallel,
+                              n_ctx=n_ctx, threads=threads, progress=say)
+    click.echo(json.dumps(res) if as_json else describe(res))
+    if res["errors"] or res["mismatches"]:
+        fail(f"{res['errors']} error(s) and {res['mismatches']} answer(s) that differ from the request served alone", 1)

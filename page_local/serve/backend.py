@@ -1,0 +1,356 @@
+"""What the HTTP layer asks of the engines: load the slots, turn a request into tokens, run one request
+in a slot's thread, and say how the server is doing. No HTTP here (app.py), no OpenAI shapes beyond
+the events a request produces (protocol.py builds the bodies).
+
+A request's events, in order, each put on the event loop's queue from the slot's thread:
+    ("text", piece)*  then one of  ("done", {"finish", "usage", "page_local"})  |  ("error", ApiError)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from page_local import defaults
+from page_local.engine import narrate
+from page_local.errors import ContextFull, EngineBusy, PageLocalError
+from page_local.serve.protocol import (
+    ApiError,
+    Job,
+    StopScanner,
+    bad,
+    finish_reason,
+    finite,
+    usage,
+)
+from page_local.serve.slots import Slot, SlotPool, SnapshotCache
+
+log = logging.getLogger("page_local.serve")
+
+
+@dataclass
+class Settings:
+    """The server's configuration (the `serve` command's options)."""
+
+    model_path: Path
+    served_name: str  # the model's id in /v1/models and in requests' "model"
+    n_ctx: int = defaults.N_CTX
+    budget: float | int = defaults.BUDGET
+    evictor: str = defaults.EVICTOR
+    gate: str = defaults.GATE
+    verify_tokens: int | None = None  # None: the engine's default (verify.VERIFY_CAP)
+    on_full: str = defaults.ON_FULL
+    threads: int = defaults.THREADS
+    n_gpu_layers: int | str | None = None
+    allow_long_context: bool = False
+    parallel: int = 1
+    queue: int = 16  # requests waiting for a slot before 503
+    cache_bytes: int = 512 * 2**20  # conversation snapshots in host RAM
+    max_tokens_limit: int = 0  # 0: n_ctx
+    max_body_bytes: int = 2 * 2**20
+    api_key: str | None = None
+    cors_origins: list[str] = field(default_factory=list)
+
+
+class Backend:
+    """The slots, the conversation cache and the chat template, loaded in a background thread so that
+    /health can answer 503 while the model loads."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.state = "loading"  # loading | ready | error | closed
+        self.error: str | None = None
+        self.warnings: list[str] = []
+        self.slots: list[Slot] = []
+        self.pool: SlotPool | None = None
+        self.cache = SnapshotCache(settings.cache_bytes)
+        self.template = None
+        self.template_error: str | None = None
+        self._render_lock = threading.Lock()  # ChatTemplate.render sets a flag on its formatter
+        self.loaded_at = int(time.time())
+        self.counts = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                       "completion_tokens": 0}
+        self._count_lock = threading.Lock()
+        self._loader: threading.Thread | None = None
+        self._state_lock = threading.Lock()
+
+    @property
+    def names(self) -> set[str]:
+        p = self.settings.model_path
+        return {self.settings.served_name, p.name, p.stem}
+
+    @property
+    def max_tokens_limit(self) -> int:
+        return self.settings.max_tokens_limit or self.settings.n_ctx
+
+    # --- lifetime ------------------------------------------------------------------------------
+    def start_loading(self, on_ready: Callable[[], None] | None = None,
+                      on_error: Callable[[str], None] | None = None) -> None:
+        self._loader = threading.Thread(target=self._load, args=(on_ready, on_error), name="page-local-load",
+                                        daemon=True)
+        self._loader.start()
+
+    def _load(self, on_ready, on_error) -> None:
+        from page_local.chat.template import ChatTemplate
+        from page_local.engine.engine import Engine
+
+        s = self.settings
+        try:
+            for i in range(s.parallel):
+                if self.state == "closed":
+                    return
+                extra = {} if s.verify_tokens is None else {"verify_tokens": s.verify_tokens}
+                eng = Engine(s.model_path, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
+                             threads=s.threads, n_gpu_layers=s.n_gpu_layers, on_full=s.on_full,
+                             allow_long_context=s.allow_long_context, **extra)
+                self.slots.append(Slot(i, eng, self.cache))
+                if i == 0 and eng.profile_warning:
+                    self.warnings.append(eng.profile_warning)
+            try:
+                self.template = ChatTemplate(self.slots[0].engine.model,
+                                             fallback="send plain text to /v1/completions instead")
+            except ValueError as e:  # ChatTemplateError: chat completions are refused, completions work
+                self.template_error = str(e)
+                self.warnings.append(str(e))
+        except (PageLocalError, OSError, ValueError) as e:
+            self.error, self.state = " ".join(str(e).split()), "error"
+            self._close_slots()
+            if on_error:
+                on_error(self.error)
+            return
+        self.pool = SlotPool(self.slots, s.queue)
+        with self._state_lock:
+            if self.state != "loading":  # closed while loading: close() frees the slots
+                return
+            self.state = "ready"
+        if on_ready:
+            on_ready()
+
+    def close(self) -> None:
+        """Stop every running request (within one token), wait for the slots' threads, free the engines."""
+        with self._state_lock:
+            self.state = "closed"
+        if self._loader is not None:
+            self._loader.join()
+        self._close_slots()
+
+    def _close_slots(self) -> None:
+        for slot in self.slots:
+            if slot.cancel is not None:
+                slot.cancel.set()
+        for slot in self.slots:
+            slot.close()
+        self.slots = []
+
+    # --- one request ---------------------------------------------------------------------------
+    def tokens(self, job: Job) -> tuple[list[int], int]:
+        """The request as the model reads it: the chat template rendered (with the assistant's turn
+        opened) or the text, tokenized as a fresh conversation (BOS and all); and n_keep, how many
+        leading tokens are the system prompt and the first turn's header, which making room never
+        evicts (as ChatSession tells the engine). Thread-safe."""
+        model = self.slots[0].engine.model
+        if job.kind != "chat":
+            return model.tokenize(job.prompt, add_special=True), 0
+        if self.template is None:
+            raise bad(f"chat completions need the model's chat template: {self.template_error}", "messages",
+                      "no_chat_template")
+        mark = "\u2063page-local\u2063"
+        system = list(itertools.takewhile(lambda m: m["role"] == "system", job.messages))
+        with self._render_lock:
+            try:
+                text = self.template.render(job.messages, generation_prompt=True)
+                head = self.template.render(system + [{"role": "user", "content": mark}], generation_prompt=False)
+            except ValueError as e:  # ChatTemplateError: the template refused this conversation
+                raise bad(str(e), "messages") from None
+        toks = model.tokenize(text, add_special=True)
+        head = head[: head.find(mark)] if mark in head else ""
+        keep = model.tokenize(head, add_special=True) if head else []
+        return toks, (len(keep) if toks[: len(keep)] == keep else 0)
+
+    def run(self, slot: Slot, job: Job, tokens: list[int], n_keep: int, emit: Callable[[tuple], None],
+            cancel: threading.Event) -> None:
+        """One request on `slot`, in the slot's thread: the request's overrides applied (and the slot's
+        settings put back after), the best cached conversation put in place, the rest prefilled and the
+        answer streamed as events. A set `cancel` stops it within one generated token."""
+        eng = slot.engine
+        slot.cancel = cancel
+        saved = (eng.gate_mode, eng.budget, eng.evictor, eng.verify_tokens, eng.on_full)
+        reuse = None
+        try:
+            self._apply(eng, job)
+            reuse = slot.prepare(tokens)
+            tail = tokens[reuse.tokens:]
+            eng.n_keep = n_keep
+            from page_local.engine.engine import Sampling
+
+            sampling = Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed)
+            stream = eng.stream(tail, max_tokens=job.max_tokens, sampling=sampling, add_special=False)
+            scanner = StopScanner(job.stop)
+            try:
+                for piece in stream:
+                    text = scanner.feed(piece)
+                    if text:
+                        emit(("text", text))
+                    if scanner.stopped or cancel.is_set():
+                        break
+            finally:
+                stream.close()
+            rest = scanner.flush()
+            if rest:
+                emit(("text", rest))
+            res = stream.result
+            use = usage(len(tokens), len(res.tokens), reuse.tokens)
+            self._count(use, cancelled=cancel.is_set())
+            emit(("done", {"finish": finish_reason(res.finish_reason, scanner.stopped), "usage": use,
+                           "page_local": self._extension(res, reuse, eng)}))
+        except ContextFull as e:
+            self._count(None)
+            n = reuse.tokens if reuse else 0
+            emit(("error", ApiError(
+                400, f"the conversation does not fit in the context: it is {len(tokens)} tokens ({n} reused from "
+                     f"the cache); {e.used} cells are in use and {e.needed} more are needed, but n_ctx is {e.n_ctx}. "
+                     "Nothing was dropped (on_full is \"refuse\"): shorten the conversation, let the server "
+                     "make room (page_local.on_full \"evict\") or start it with a larger --n-ctx",
+                "context_length_exceeded", "messages" if job.kind == "chat" else "prompt")))
+        except ApiError as e:
+            self._count(None)
+            emit(("error", e))
+        except EngineBusy as e:  # not expected: one thread drives each engine
+            self._count(None)
+            emit(("error", ApiError(503, str(e), "server_busy", headers={"Retry-After": "1"})))
+        except ValueError as e:  # the engine refusing an input (a budget too small for the prompt, ...)
+            self._count(None)
+            emit(("error", bad(str(e))))
+        except Exception as e:
+            self._count(None)
+            log.exception("request failed in slot %d", slot.index)
+            emit(("error", ApiError(500, f"{type(e).__name__}: {e}", "internal_error")))
+        finally:
+            slot.cancel = None
+            try:
+                self._restore(eng, saved)
+                slot.settle(len(tokens))
+            except Exception:
+                log.exception("could not restore slot %d after a request", slot.index)
+
+    @staticmethod
+    def _apply(eng, job: Job) -> None:
+        o = job.overrides
+        steps = (("gate", o.gate, eng.set_gate), ("budget", o.budget, eng.set_budget),
+                 ("evictor", o.evictor, eng.set_evictor),
+                 ("verify_tokens", o.verify_tokens,
+                  lambda v: eng.set_verify(v, eng.verify_threshold, eng.verify_rule)),
+                 ("on_full", o.on_full, lambda v: _set_on_full(eng, v)))
+        for name, value, setter in steps:
+            if value is not None:
+                try:
+                    setter(value)
+                except ValueError as e:  # the engine's own rule for the value, in its words
+                    raise bad(f"page_local.{name}: {e}", f"page_local.{name}") from None
+
+    @staticmethod
+    def _restore(eng, saved: tuple) -> None:
+        gate, budget, evictor, verify_tokens, on_full = saved
+        _set_on_full(eng, on_full)
+        if eng.gate_mode != gate:
+            eng.set_gate(gate)
+        if eng.budget != budget or type(eng.budget) is not type(budget):
+            eng.set_budget(budget)
+        if eng.evictor != evictor:
+            eng.set_evictor(evictor)
+        if eng.verify_tokens != verify_tokens:
+            eng.set_verify(verify_tokens, eng.verify_threshold, eng.verify_rule)
+
+    @staticmethod
+    def _extension(res, reuse, eng) -> dict:
+        """The response's `page_local` object: the Decision (and its summary in words), the cache reuse,
+        the settings the request ran with."""
+        d = res.decision
+        decision = None
+        if d is not None:
+            decision = finite(d.to_dict())
+            decision["summary"] = narrate.summary(res)
+        return {"decision": decision,
+                "cache": {"reused_tokens": reuse.tokens, "source": reuse.source, "reused_evicted": reuse.evicted},
+                "settings": {"gate": eng.gate_mode, "budget": eng.budget, "evictor": eng.evictor,
+                             "verify_tokens": eng.verify_tokens, "on_full": eng.on_full}}
+
+    def _count(self, use: dict | None, cancelled: bool = False) -> None:
+        with self._count_lock:
+            self.counts["requests"] += 1
+            if use is None:
+                self.counts["errors"] += 1
+                return
+            self.counts["cancelled"] += int(cancelled)
+            self.counts["prompt_tokens"] += use["prompt_tokens"]
+            self.counts["cached_tokens"] += use["prompt_tokens_details"]["cached_tokens"]
+            self.counts["completion_tokens"] += use["completion_tokens"]
+
+    # --- how it is doing -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"state": self.state,
+                "slots": [{"index": s.index, "busy": s.busy, "history_tokens": len(s.engine.history)}
+                          for s in self.slots],
+                "queue": {"waiting": self.pool.waiting if self.pool else 0, "max": self.settings.queue},
+                "cache": {"snapshots": len(self.cache), "bytes": self.cache.nbytes, "cap_bytes": self.cache.cap,
+                          "dropped": self.cache.dropped},
+                "counts": dict(self.counts), "rss_bytes": rss_bytes()}
+
+
+def _set_on_full(eng, mode: str) -> None:
+    # the Engine has no setter for its context policy (yet): validated by the engine's own check
+    from page_local.engine.room import check_on_full
+
+    eng.on_full = check_on_full(mode)
+
+
+class Turn:
+    """A request running in a slot, seen from the event loop: next() gives its events; close() stops
+    it (within one token). The slot goes back to the pool when the slot's thread is done with it,
+    not when the client goes away, so a slot is never handed out while its engine still runs."""
+
+    def __init__(self, backend: Backend, slot: Slot, job: Job, tokens: list[int], n_keep: int):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        pool = backend.pool
+        fut = slot.executor.submit(backend.run, slot, job, tokens, n_keep, self._emit, self.cancel)
+        fut.add_done_callback(lambda _f: self._call(pool.release, slot))
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
+            pass
+
+    def _emit(self, event: tuple) -> None:
+        self._call(self._queue.put_nowait, event)
+
+    async def next(self) -> tuple:
+        return await self._queue.get()
+
+    def close(self) -> None:
+        self.cancel.set()
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (Linux: /proc/self/statm; elsewhere the peak, from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+            import sys
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak if sys.platform == "darwin" else peak * 1024
+        except (ImportError, OSError):
+            return None

@@ -1,0 +1,393 @@
+"""The OpenAI wire format, without a web framework: requests validated into a Job, errors in the
+OpenAI envelope, the response bodies and stream chunks, and stop strings.
+
+Every check names the offending field and value (style rule 5: a clear 400, never an assert), so a
+client's mistake is a BadRequestError it can show, and the `openai` SDK never retries it (it
+retries 408/409/429/5xx). Fields a client sends that page-local does not know are ignored; fields
+it knows but cannot honour (n > 1, logprobs, tools, penalties) are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from page_local.gate import GATE_MODES
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOPS = 16  # OpenAI allows 4; llama-server more: enough for a chat template's turn markers
+MAX_STOP_CHARS = 256
+EXTENSION_FIELDS = ("gate", "budget", "evictor", "verify_tokens", "on_full")
+
+
+class ApiError(Exception):
+    """An HTTP error in the OpenAI envelope: {"error": {"message", "type", "code", "param"}}."""
+
+    TYPES: ClassVar[dict[int, str]] = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 503: "server_busy_error"}
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = self.TYPES.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+@dataclass
+class Overrides:
+    """The request's `page_local` extension: server defaults replaced for this request only (None = keep)."""
+
+    gate: str | None = None
+    budget: float | int | None = None
+    evictor: str | None = None
+    verify_tokens: int | None = None
+    on_full: str | None = None  # a turn that does not fit: "evict" earlier cells, or "refuse" (400)
+
+
+@dataclass
+class Job:
+    """One validated request: what to render, how to sample, how to answer."""
+
+    kind: str  # "chat" | "text"
+    model: str
+    messages: list[dict] | None = None  # chat: [{"role", "content"}] with content as text
+    prompt: str | None = None  # text completions
+    max_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 40
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    overrides: Overrides = field(default_factory=Overrides)
+
+
+# --- validation --------------------------------------------------------------------------------
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v > hi or v < lo or (lo_open and v == lo):
+        span = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+        raise bad(f"{name} must be a number in {span}, got {v!r}", name)
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(f"{name} must be an integer {span}, got {v!r}", name)
+    return v
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    """Fields page-local knows and cannot honour: refused by name (a silent ignore would mislead)."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad(f"n = {n!r} is not supported: page-local returns one choice per request (n = 1)", "n",
+                  "unsupported_parameter")
+    if kind == "chat":
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+            raise bad("logprobs are not supported by page-local", "logprobs", "unsupported_parameter")
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise bad(f"{name} (tool calling) are not supported by page-local", name, "unsupported_parameter")
+        for name in ("tool_choice", "function_call"):
+            if body.get(name) not in (None, "none"):
+                raise bad(f"{name} is not supported by page-local (no tool calling)", name, "unsupported_parameter")
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise bad("response_format other than {\"type\": \"text\"} is not supported by page-local",
+                      "response_format", "unsupported_parameter")
+    else:
+        if body.get("logprobs") is not None:
+            raise bad("logprobs are not supported by page-local", "logprobs", "unsupported_parameter")
+        if body.get("echo"):
+            raise bad("echo is not supported by page-local", "echo", "unsupported_parameter")
+        if body.get("suffix"):
+            raise bad("suffix (insertion) is not supported by page-local", "suffix", "unsupported_parameter")
+        if body.get("best_of") not in (None, 1):
+            raise bad(f"best_of = {body['best_of']!r} is not supported: page-local returns one choice", "best_of",
+                      "unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise bad(f"{name} is not supported by page-local (send 0 or leave it out)", name, "unsupported_parameter")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported by page-local", "logit_bias", "unsupported_parameter")
+
+
+def _content(content, i: int) -> str:
+    """A message's content as text: a string, or a list of {"type": "text", "text"} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f"messages[{i}].content: only text parts are supported, got a {kind!r} part",
+                          f"messages[{i}].content", "unsupported_parameter")
+        return "\n".join(texts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}",
+              f"messages[{i}].content")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages",
+                  "missing_required_parameter" if msgs is None else "invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
+        role = m.get("role")
+        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+            raise bad(f"messages[{i}]: tool messages and tool calls are not supported by page-local",
+                      f"messages[{i}]", "unsupported_parameter")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", f"messages[{i}].role")
+        if "content" not in m or m["content"] is None:
+            raise bad(f"messages[{i}] has no content", f"messages[{i}].content", "missing_required_parameter")
+        out.append({"role": ROLES[role], "content": _content(m["content"], i)})
+    return out
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad(f"stop takes at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                  "stop")
+    return stops
+
+
+def _overrides(body: dict) -> Overrides:
+    """The `page_local` extension. Types are checked here; the values (an evictor's name, a budget's
+    range) by the engine's own setters when they are applied, so the rules live in one place."""
+    ext = body.get("page_local")
+    if ext is None:
+        return Overrides()
+    if not isinstance(ext, dict):
+        raise bad(f"page_local must be an object with some of {', '.join(EXTENSION_FIELDS)}", "page_local")
+    unknown = sorted(set(ext) - set(EXTENSION_FIELDS))
+    if unknown:  # our own extension: a typo must not silently run with the server's defaults
+        raise bad(f"page_local: unknown field(s) {', '.join(unknown)}; known: {', '.join(EXTENSION_FIELDS)}",
+                  f"page_local.{unknown[0]}")
+    o = Overrides()
+    gate = ext.get("gate")
+    if gate is not None:
+        if gate not in GATE_MODES:
+            raise bad(f"page_local.gate must be one of {', '.join(GATE_MODES)}, got {gate!r}", "page_local.gate")
+        o.gate = gate
+    budget = ext.get("budget")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise bad(f"page_local.budget must be a ratio like 0.25 or a count like 1024, got {budget!r}",
+                      "page_local.budget")
+        o.budget = budget
+    evictor = ext.get("evictor")
+    if evictor is not None:
+        if not isinstance(evictor, str):
+            raise bad(f"page_local.evictor must be an evictor's name, got {evictor!r}", "page_local.evictor")
+        o.evictor = evictor
+    vt = ext.get("verify_tokens")
+    if vt is not None:
+        if isinstance(vt, bool) or not isinstance(vt, int) or not 1 <= vt <= 256:
+            raise bad(f"page_local.verify_tokens must be an integer in [1, 256], got {vt!r}",
+                      "page_local.verify_tokens")
+        o.verify_tokens = vt
+    on_full = ext.get("on_full")
+    if on_full is not None:
+        if not isinstance(on_full, str):
+            raise bad(f"page_local.on_full must be \"evict\" or \"refuse\", got {on_full!r}", "page_local.on_full")
+        o.on_full = on_full
+    return o
+
+
+def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
+    """A chat ("chat") or text ("text") completion request -> Job; ApiError(400) says what is wrong."""
+    _refuse_unsupported(body, kind)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad(f"model must be a string, got {model!r}", "model")
+    job = Job(kind=kind, model=model or "")
+    if kind == "chat":
+        job.messages = _messages(body)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise bad("prompt must be a string (one prompt per request)", "prompt",
+                      "missing_required_parameter" if prompt is None else "invalid_value")
+        if not prompt.strip():
+            raise bad("the prompt is empty", "prompt")
+        job.prompt = prompt
+    mt = _int(body, "max_completion_tokens", 1) if kind == "chat" else None
+    mt = mt if mt is not None else _int(body, "max_tokens", 1)
+    if mt is not None and mt > max_tokens_limit:
+        raise bad(f"max_tokens {mt} is above this server's limit of {max_tokens_limit}", "max_tokens")
+    job.max_tokens = mt if mt is not None else max_tokens_limit
+    job.temperature = _number(body, "temperature", 0, 5, 1.0)  # OpenAI's default is 1
+    job.top_p = _number(body, "top_p", 0, 1, 1.0, lo_open=True)
+    top_k = _int(body, "top_k", 0)  # llama-server's extension; 0 = off
+    job.top_k = 40 if top_k is None else top_k
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad(f"seed must be an integer, got {seed!r}", "seed")
+    # no seed: a fresh draw per request, as OpenAI (a regenerate gives another answer at temperature > 0)
+    job.seed = secrets.randbits(32) if seed is None else seed % 2**32
+    job.stop = _stop(body)
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad(f"stream must be true or false, got {stream!r}", "stream")
+    job.stream = bool(stream)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options must be an object like {\"include_usage\": true}", "stream_options")
+        job.include_usage = bool(opts.get("include_usage"))
+    job.overrides = _overrides(body)
+    return job
+
+
+# --- stop strings ------------------------------------------------------------------------------
+
+class StopScanner:
+    """Cut the generated text at the first stop string, also when one spans pieces: feed() returns
+    what may be shown now and holds back a tail that could still begin a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.buf += piece
+        if not self.stops:
+            out, self.buf = self.buf, ""
+            return out
+        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.buf = self.buf[:cut], ""
+            return out
+        keep = 0  # the longest tail of buf that is a proper prefix of a stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.buf)), keep, -1):
+                if self.buf.endswith(s[:k]):
+                    keep = k
+                    break
+        out, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = ("" if self.stopped else self.buf), ""
+        return out
+
+
+# --- response envelopes ------------------------------------------------------------------------
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def finish_reason(engine_finish: str, stopped: bool) -> str:
+    """The engine's stop | length | context | interrupted -> OpenAI's stop | length."""
+    if stopped or engine_finish == "stop":
+        return "stop"
+    return "length"  # max_tokens, or the context filled up (llama-server says "length" too)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def finite(obj):
+    """JSON has no NaN or infinity: such floats (a D the probe could not compute) become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def body(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict, extension: dict) -> dict:
+    """A whole (not streamed) chat.completion or text_completion object."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use,
+            "page_local": extension}
+
+
+def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, role: bool = False,
+          finish: str | None = None, use: dict | None = None, include_usage: bool = False,
+          extension: dict | None = None) -> dict:
+    """One stream chunk. use: the usage-only chunk (no choices). include_usage: the other chunks carry
+    "usage": null, as OpenAI's do when the client asked for the usage chunk."""
+    if kind == "chat":
+        obj = "chat.completion.chunk"
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    else:
+        obj = "text_completion"
+        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if use is not None:
+        out["choices"], out["usage"] = [], use
+    elif include_usage:
+        out["usage"] = None
+    if extension is not None:
+        out["page_local"] = extension
+    return out
+
+
+def now() -> int:
+    return int(time.time())
