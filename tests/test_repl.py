@@ -569,12 +569,18 @@ def test_real_save_clear_load_roundtrip(real_repl, tmp_path):
     assert len(repl.session.messages) == 4
 
 
-def test_real_load_too_long_for_context_keeps_conversation(real_repl, tmp_path):
+def long_conversation_file(tmp_path):
+    """A JSON save whose conversation is longer than a 256-cell context."""
     big = tmp_path / "big.json"
     big.write_text(json.dumps({"format": "page-local-chat", "version": 1, "system": None,
                                "messages": [{"role": "user", "content": LONG * 2},
                                             {"role": "assistant", "content": "ok"}],
                                "settings": {"gate": "never", "budget": 0.5}}))
+    return big
+
+
+def test_real_load_too_long_for_context_keeps_conversation(real_repl, tmp_path):
+    big = long_conversation_file(tmp_path)
     repl, out = real_repl(n_ctx=256, on_full="refuse")
     repl.handle("/set gate never")  # no eviction: the cache is the whole history, before and after
     repl.handle("Hi.")
@@ -627,11 +633,7 @@ def test_real_a_failed_load_keeps_an_evicted_conversation_exactly(real_repl, tmp
 
 
 def test_real_load_of_a_conversation_longer_than_the_context_makes_room(real_repl, tmp_path):
-    big = tmp_path / "big.json"
-    big.write_text(json.dumps({"format": "page-local-chat", "version": 1, "system": None,
-                               "messages": [{"role": "user", "content": LONG * 2},
-                                            {"role": "assistant", "content": "ok"}],
-                               "settings": {"gate": "never", "budget": 0.5}}))
+    big = long_conversation_file(tmp_path)
     repl, out = real_repl(n_ctx=256)  # on_full "evict", the default
     repl.handle(f"/load {big}")
     assert "Loaded 2 messages" in out(), out()
