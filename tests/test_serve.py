@@ -57,7 +57,7 @@ def start_server(port: int, *args: str, key: str | None = KEY) -> subprocess.Pop
     env = dict(os.environ)
     env.pop("PAGE_LOCAL_API_KEY", None)
     env.pop("PAGE_LOCAL_MODEL", None)
-    cmd = [sys.executable, "-m", "page_local.serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "page_local.cli", "serve", "--port", str(port), *args]
     if key:
         cmd += ["--api-key", key]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

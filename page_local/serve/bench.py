@@ -139,9 +139,9 @@ class Server:
 
 def page_local_server(model: Path, parallel: int, n_ctx: int, threads: int, queue: int,
                       extra: tuple[str, ...] = ()) -> Server:
-    """`python -m page_local.serve` (the key through $PAGE_LOCAL_API_KEY, not the command line)."""
+    """`python -m page_local.cli serve` (the key through $PAGE_LOCAL_API_KEY, not the command line)."""
     port, key = free_port(), secrets.token_hex(16)
-    cmd = [sys.executable, "-m", "page_local.serve", "--model", str(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "page_local.cli", "serve", "--model", str(model), "--port", str(port),
            "--parallel", str(parallel), "--n-ctx", str(n_ctx), "--threads", str(threads), "--queue", str(queue),
            *extra]
     return Server(cmd, port, key, env=dict(os.environ, PAGE_LOCAL_API_KEY=key))
