@@ -5,6 +5,7 @@ runs end to end, bad input gives clear exceptions, turns append to the conversat
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from page_local.native import pageops as native
 from page_local.engine.engine import W, ContextFull, Engine, EngineBusy
 from page_local.evictors import EVICTORS
+from page_local.gate import GATE_MODES
 from page_local.store.gguf import model_identity
 from page_local.store.profiles import profile_path
 from page_local.native.pageops import UnsupportedModel
@@ -235,7 +237,8 @@ def test_bad_budget_on_a_live_engine(closed_engine):
 def test_unknown_evictor_and_gate(smollm2_path, closed_engine):
     with pytest.raises(ValueError, match="unknown evictor 'snapky'; valid names: .*snapkv"):
         Engine(smollm2_path, evictor="snapky")
-    with pytest.raises(ValueError, match=r"gate mode must be one of page, always, never, verify, page\+verify; got 'sometimes'"):
+    modes = re.escape(", ".join(GATE_MODES))  # every mode is named, search and page+search included
+    with pytest.raises(ValueError, match=rf"gate mode must be one of {modes}; got 'sometimes'"):
         Engine(smollm2_path, gate="sometimes")
     with pytest.raises(ValueError, match="unknown evictor"):
         closed_engine.set_evictor("nope")
