@@ -331,6 +331,7 @@ class Engine(ContextPolicy):
         finish = "length"
         t0 = time.perf_counter()
         used = self.cells_used()  # kept up to date below: no native scan of the cells per token
+        limit = self._pos_limit()
         try:
             for _ in range(max_tokens):
                 if plan is not None:
@@ -342,14 +343,14 @@ class Engine(ContextPolicy):
                         self._verify(dec, plan, out, full_logits, end=tok)
                         plan = None
                     break
-                if used + 1 > ctx.n_ctx or ctx.seq_pos_max(0) + 1 >= self._pos_limit():
+                pos = ctx.seq_pos_max(0) + 1
+                if used + 1 > ctx.n_ctx or pos >= limit:
                     # the answer outgrew the context: make room as before a message (never while a
                     # verification is pending: its candidate shares these cells)
                     if plan is not None or self.on_full != "evict" or not self._room_for_answer(dec, reserve):
                         finish = "context"
                         break
-                    used = self.cells_used()
-                pos = ctx.seq_pos_max(0) + 1
+                    used, pos = self.cells_used(), ctx.seq_pos_max(0) + 1
                 ctx.decode([tok], pos, 0)
                 used += 1
                 self.history.append(tok)

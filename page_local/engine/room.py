@@ -57,13 +57,6 @@ def protected(held: np.ndarray, tokens: np.ndarray, n_keep: int, n_ctx: int, is_
     return keep
 
 
-def hard_protected(held: np.ndarray, tokens: np.ndarray, n_keep: int, is_control) -> int:
-    """Cells that can never be evicted to make room (sinks, the system prompt, turn boundaries)."""
-    keep = held < max(N_SINK, n_keep)
-    keep |= np.fromiter((is_control(int(t)) for t in tokens), dtype=bool, count=tokens.size)
-    return int(keep.sum())
-
-
 def gap_runs(held: np.ndarray) -> list[tuple[int, int, int]]:
     """(p0, p1, delta) shifts that renumber the held positions 0..T-1, applied in order: each maximal
     run of consecutive positions [p0, p1) moves down by -delta. Empty when there are no gaps."""
@@ -123,7 +116,8 @@ class ContextPolicy:
         try:
             cap = n_ctx - 1 - reserve  # cells for the conversation and this message before its answer
             held, tokens = self._held_tokens()
-            hard = hard_protected(held, tokens, self.n_keep, self.model.is_control)
+            # cells that can never go: sinks, the system prompt, turn boundaries (no "latest turns" share)
+            hard = int(protected(held, tokens, self.n_keep, 0, self.model.is_control).sum())
             if hard + W + N_SINK + 4 > cap:
                 raise ContextFull(used, len(toks) + 1, n_ctx)
             size = max(W + 1, (cap - hard) // 2)  # a chunk: half of what room-making can free

@@ -117,6 +117,18 @@ def by_task(rows, rule: str, threshold: float, cap: int, evictor: str = "snapkv"
     return dict(acc)
 
 
+def _search_line(right: list, choice: dict) -> dict:
+    """One line of the search table. choice: input -> (T/kept of the committed cache or None when the
+    full cache was kept, the committed answer correct (None: unknown)); right: inputs right with the full
+    cache."""
+    comp = [1.0 if c is None else c for c, _ in choice.values()]
+    return dict(n=len(choice), right=len(right),
+                lost=sum(choice[i][0] is not None and choice[i][1] is False for i in right),
+                unknown=sum(choice[i][0] is not None and choice[i][1] is None for i in right),
+                evicted=float(np.mean([c is not None for c, _ in choice.values()])),
+                compression=float(np.mean(comp)), median_compression=float(np.median(comp)))
+
+
 def search(rows, rule: str = "argmax", threshold: float = 0.0, cap: int = 64, evictor: str = "snapkv") -> dict:
     """Gate "search" re-decided from the rows: per input, the smallest budget whose check passes under
     the rule is committed (as Engine(gate="search") with the run's budgets as its ladder), else the full
@@ -127,14 +139,11 @@ def search(rows, rule: str = "argmax", threshold: float = 0.0, cap: int = 64, ev
     inputs = sorted({k[:2] for k in cands})
     budgets = sorted({k[2] for k in cands})  # smallest first: the ladder
 
-    def line(choice: dict) -> dict:
-        right = [i for i in inputs if cands[(*i, budgets[0])]["correct_full"]]
-        comp = [cands[(*i, b)]["T"] / cands[(*i, b)]["kept"] if b is not None else 1.0 for i, (b, _) in choice.items()]
-        return dict(n=len(inputs), right=len(right),
-                    lost=sum(choice[i][0] is not None and choice[i][1] is False for i in right),
-                    unknown=sum(choice[i][0] is not None and choice[i][1] is None for i in right),
-                    evicted=float(np.mean([b is not None for b, _ in choice.values()])),
-                    compression=float(np.mean(comp)), median_compression=float(np.median(comp)))
+    right = [i for i in inputs if cands[(*i, budgets[0])]["correct_full"]]
+
+    def line(choice: dict) -> dict:  # input -> (committed budget or None, committed answer correct)
+        return _search_line(right, {i: (None if b is None else cands[(*i, b)]["T"] / cands[(*i, b)]["kept"], ok)
+                                    for i, (b, ok) in choice.items()})
 
     chosen: dict = defaultdict(lambda: defaultdict(int))
     pick = {}
@@ -164,13 +173,11 @@ def search_recorded(rows, evictor: str = "snapkv") -> dict:
     inputs = sorted(ver)
     budgets = sorted({b for v in ver.values() for b in v})
 
-    def line(pick: dict) -> dict:
-        right = [i for i in inputs if next(iter(ver[i].values()))["correct_full"]]
-        comp = [r["T"] / r["kept"] if r is not None else 1.0 for r in pick.values()]
-        return dict(n=len(inputs), right=len(right), unknown=0,
-                    lost=sum(pick[i] is not None and not pick[i]["correct"] for i in right),
-                    evicted=float(np.mean([r is not None for r in pick.values()])),
-                    compression=float(np.mean(comp)), median_compression=float(np.median(comp)))
+    right = [i for i in inputs if next(iter(ver[i].values()))["correct_full"]]
+
+    def line(pick: dict) -> dict:  # input -> the committed verify row or None
+        return _search_line(right, {i: (None, None) if r is None else (r["T"] / r["kept"], bool(r["correct"]))
+                                    for i, r in pick.items()})
 
     pick = {i: next((ver[i][b] for b in budgets if b in ver[i] and ver[i][b]["evicted"]), None) for i in inputs}
     fixed = {b: line({i: ver[i][b] if ver[i].get(b, {}).get("evicted") else None for i in inputs}) for b in budgets}
