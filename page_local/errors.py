@@ -8,6 +8,7 @@
       ContextFull (RuntimeError)         the turn does not fit and nothing may be dropped
       EngineBusy (RuntimeError)          a second caller while a turn runs
       DecodeError (RuntimeError)         llama_decode failed
+        RemoteLost                       an RPC server stopped answering mid-run
       PageError (RuntimeError)           a page-local native call failed (code = LLAMA_PAGE_ERR_*)
         ProbeError, UnsupportedModel, InvalidArgument (ValueError), InvalidPositions (ValueError)
       LibraryError (RuntimeError)        the patched libllama cannot be found or is another build
@@ -68,6 +69,19 @@ class EngineBusy(PageLocalError, RuntimeError):
 
 class DecodeError(PageLocalError, RuntimeError):
     """llama_decode failed (the message has its return code and what it means)."""
+
+
+class RemoteLost(DecodeError):
+    """A ggml-rpc-server holding this model's layers stopped answering (killed, crashed, unreachable):
+    the model cannot run on; close it and load it again. The process and its other models go on."""
+
+    def __init__(self, endpoints):
+        self.endpoints = list(endpoints)
+        where = ", ".join(self.endpoints)
+        super().__init__(
+            f"lost the RPC server at {where} mid-run (it stopped answering: killed, crashed or unreachable); "
+            "this model's layers there are gone: close the engine and load the model again once the server "
+            "is back (a local engine works meanwhile)")
 
 
 class PageError(PageLocalError, RuntimeError):

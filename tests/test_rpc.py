@@ -28,7 +28,7 @@ import pytest
 
 from page_local.engine import Engine
 from page_local.errors import ModelError
-from page_local.native import runtime
+from page_local.native import rpc, runtime
 from page_local.native.runtime import Context, ContextConfig
 from tests.conftest import one_line_error, random_tokens
 from tests.test_engine import NOISE, PROMPTS as ENGINE_PROMPTS, needle_prompt
@@ -40,13 +40,13 @@ THREADS = 1
 
 def _require_rpc():
     try:
-        ok = runtime.has_rpc()
+        ok = rpc.has_rpc()
     except Exception as e:  # noqa: BLE001  (no library at all: every other test says so too)
         pytest.skip(f"the patched library does not load: {e}")
     if not ok:
         pytest.skip("the library was built without ggml's RPC backend (PAGE_RPC=OFF): `make setup RPC=1`, or "
                     "PAGE_LOCAL_LIB_DIR pointing at a -DPAGE_RPC=ON build")
-    exe = runtime.rpc_server_path()
+    exe = rpc.rpc_server_path()
     if exe is None:
         pytest.skip("the library has the RPC backend but no ggml-rpc-server beside it")
     return exe
@@ -80,7 +80,7 @@ class Server:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
-                    runtime.check_rpc_server(self.endpoint, timeout=2)
+                    rpc.check_rpc_server(self.endpoint, timeout=2)
                     return
                 except ModelError:
                     time.sleep(0.1)
@@ -300,7 +300,7 @@ def test_gate_verify_decides_as_a_local_run(pair, prompt, commits):
 def test_cli_run_with_rpc_answers_as_locally(cli, endpoints, monkeypatch):
     import json
 
-    monkeypatch.delenv(runtime.RPC_ENV, raising=False)
+    monkeypatch.delenv(rpc.RPC_ENV, raising=False)
     common = ["--prompt", PROMPTS["capital"], "--max-tokens", "8", "--gate", "never", "--n-ctx", "512",
               "--threads", str(THREADS), "--json"]
     loc = cli("run", *common, "--n-gpu-layers", "0")
@@ -308,7 +308,7 @@ def test_cli_run_with_rpc_answers_as_locally(cli, endpoints, monkeypatch):
     assert loc.exit_code == 0 and rem.exit_code == 0, rem.output
     a, b = json.loads(loc.stdout), json.loads(rem.stdout)
     assert b["text"] == a["text"] and b["device"]["rpc"] == endpoints
-    assert runtime.RPC_ENV not in os.environ  # --rpc holds for the command only
+    assert rpc.RPC_ENV not in os.environ  # --rpc holds for the command only
 
 
 def test_cli_chat_with_rpc_answers_as_locally(smollm2_path, endpoints, tmp_path, monkeypatch):
@@ -317,7 +317,7 @@ def test_cli_chat_with_rpc_answers_as_locally(smollm2_path, endpoints, tmp_path,
     from page_local.cli import main
 
     monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv(runtime.RPC_ENV, raising=False)
+    monkeypatch.delenv(rpc.RPC_ENV, raising=False)
     args = ["chat", "--model", str(smollm2_path), "--n-ctx", "512", "--threads", str(THREADS), "--max-tokens", "12",
             "--gate", "never"]
     said = []
@@ -338,7 +338,7 @@ def test_cli_rpc_usage_errors(cli):
 
 def test_rpc_on_a_library_without_it_says_how_to_build_it(cli):
     try:
-        has = runtime.has_rpc()
+        has = rpc.has_rpc()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"the patched library does not load: {e}")
     if has:
@@ -357,7 +357,7 @@ def test_a_server_that_is_down_is_one_clear_error(smollm2_path, server_exe, cli)
 
 def test_a_server_that_does_not_answer_times_out_naming_it(smollm2_path, server_exe, monkeypatch):
     """A listening socket that never answers HELLO (a hung host, or a server busy with another client)."""
-    monkeypatch.setenv(runtime.RPC_TIMEOUT_ENV, "0.5")
+    monkeypatch.setenv(rpc.RPC_TIMEOUT_ENV, "0.5")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
@@ -371,20 +371,22 @@ def test_a_server_that_does_not_answer_times_out_naming_it(smollm2_path, server_
 _CHILD = textwrap.dedent("""
     import sys
     from page_local.engine import Engine
+    from page_local.errors import RemoteLost
     eng = Engine(sys.argv[1], n_ctx=1024, threads=1, gate="never", n_gpu_layers=20, rpc=[sys.argv[2]])
     stream = eng.stream("The Industrial Revolution began in", max_tokens=40)
-    for i, piece in enumerate(stream):
-        if i == 3:
-            print("MID", flush=True)
-            sys.stdin.readline()  # the parent kills the server now
-    print("FINISHED", stream.result.finish_reason, flush=True)
-""")
-
-_CHILD_RECOVERY = textwrap.dedent("""
+    try:
+        for i, piece in enumerate(stream):
+            if i == 3:
+                print("MID", flush=True)
+                sys.stdin.readline()  # the parent kills the server now
+        print("FINISHED", stream.result.finish_reason, flush=True)
+    except RemoteLost as e:
+        print("RAISED", e, flush=True)
     try:
         eng.generate("more", max_tokens=4)
-    except Exception as e:
-        print("RAISED", type(e).__name__, e, flush=True)
+        print("AGAIN ANSWERED", flush=True)
+    except RemoteLost as e:
+        print("AGAIN RAISED", e, flush=True)
     eng.close()
     with Engine(sys.argv[1], n_ctx=256, threads=1, gate="never", n_gpu_layers=0, rpc=[]) as local:
         print("LOCAL OK", local.generate("The capital of France is", max_tokens=2).text, flush=True)
@@ -392,14 +394,13 @@ _CHILD_RECOVERY = textwrap.dedent("""
 
 
 def test_killed_remote_mid_run(smollm2_path, server_exe):
-    """A server killed while an answer is being generated. What holds: one line on stderr naming the
-    lost server's address, within seconds, no hang. What does not: the process cannot go on, because
-    llama.cpp's RPC client ends it on any failed send or receive (ggml-rpc.cpp, RPC_STATUS_ASSERT ->
-    GGML_ABORT in the dispatcher thread) and offers no way to turn that into an error; the xfail below
-    says so, and turns into a failure (strict) the day the process survives."""
+    """A server killed while an answer is being generated: the answer stops with one RemoteLost naming
+    the server's address (ggml's RPC client, as csrc/upstream.patch leaves it, no longer aborts the
+    process), the engine keeps refusing with the same error, closing it works, and a local engine in the
+    same process loads and answers."""
     srv = Server(server_exe)
     try:
-        child = subprocess.Popen([sys.executable, "-c", _CHILD + _CHILD_RECOVERY, str(smollm2_path), srv.endpoint],
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(smollm2_path), srv.endpoint],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             if child.stdout.readline().strip() != "MID":
@@ -415,21 +416,70 @@ def test_killed_remote_mid_run(smollm2_path, server_exe):
                 child.communicate()
     finally:
         srv.stop()
-    lines = [line for line in err.splitlines() if line.startswith("Error: ")]
-    assert len(lines) == 1 and f"lost the RPC server at {srv.endpoint} mid-run" in lines[0], err
-    if "LOCAL OK" not in out:
-        assert child.returncode == -signal.SIGABRT, (child.returncode, out, err)
-        pytest.xfail("llama.cpp's RPC client aborts the process when a server is lost (ggml-rpc.cpp "
-                     "RPC_STATUS_ASSERT); the error is clear but the process cannot run a local engine after it")
+    assert child.returncode == 0, (child.returncode, out, err)
+    lines = out.splitlines()
+    want = f"lost the RPC server at {srv.endpoint} mid-run"
+    assert [line for line in lines if line.startswith("RAISED")] and want in lines[0], out
+    assert any(line.startswith("AGAIN RAISED") and want in line for line in lines), out
+    assert any(line.startswith("LOCAL OK") and "Paris" in line for line in lines), out
+    assert "Traceback" not in err, err
+
+
+def test_a_lost_server_is_one_line_from_the_cli(smollm2_path, server_exe):
+    """`page-local run --rpc` with the server killed during the answer: exit 1, one 'Error:' line naming
+    the address, no traceback and no abort."""
+    srv = Server(server_exe)
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "page_local.cli", "run", "--model", str(smollm2_path),
+                                  "--rpc", srv.endpoint, "--gate", "never", "--threads", "1", "--n-ctx", "512",
+                                  "--max-tokens", "400", "--prompt", "The history of the lighthouse begins"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            first = child.stdout.read(8)  # the answer has begun: the server is in use
+            assert first, child.communicate()
+            srv.stop(signal.SIGKILL)
+            out, err = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    finally:
+        srv.stop()
+    assert child.returncode == 1, (child.returncode, first + out, err)
+    errors = [line for line in err.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and f"lost the RPC server at {srv.endpoint} mid-run" in errors[0], err
+    assert "Traceback" not in err and "GGML" not in err, err
 
 
 def test_this_process_stays_local_after_the_servers(smollm2_path, servers, pair):
     """The remote devices belonged to the RPC models only (llama_model_params.devices, never the
     process-wide list): with every server gone, a new engine here loads and answers locally."""
-    pair[1].close()  # what holds a connection must let go first: freeing a buffer on a dead server aborts
-    assert not runtime._rpc_in_use
+    pair[1].close()
+    assert not rpc.in_use
     for s in servers:
         s.stop()
     with _engine(smollm2_path, n_ctx=256, gate="never") as eng:
         assert eng.placement["layers"] == "CPU"
         assert eng.generate(PROMPTS["capital"], max_tokens=2).text.startswith(" Paris")
+
+
+def test_rpc_server_command_starts_the_built_server(server_exe):
+    """`page-local rpc-server --port P` runs the ggml-rpc-server of this build on loopback: it answers
+    page-local's HELLO, and SIGTERM stops it (the command execs the server, so the signal reaches it)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "page_local.cli", "rpc-server", "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                rpc.check_rpc_server(f"127.0.0.1:{port}", timeout=2)
+                break
+            except ModelError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=20)
+    assert f"page-local rpc-server: 127.0.0.1:{port}" in err and f"--rpc 127.0.0.1:{port}" in err, err
+    assert "warning" not in err  # loopback: no network warning

@@ -1,8 +1,8 @@
 """`page-local bench chat`: time to first token and tokens/s per turn of a chat that outgrows n_ctx,
 page-local beside the full cache, measured side by side in one run.
 
-page-local is the Engine as a user gets it (the speed budget, SnapKV, the verify gate, room on demand
-at the wall) in a context of n_ctx; the full cache is a ChatSession on a context large enough for the
+page-local is the Engine as `page-local chat` gives it (no eviction for speed, defaults.CHAT_BUDGET;
+room on demand at the wall; `budget` sets a speed budget instead, under the verify gate) in a context of n_ctx; the full cache is a ChatSession on a context large enough for the
 whole chat (capped at the model's trained context: past it the full cache no longer fits, and the
 later turns are page-local's alone). Every turn is sent to both chats, one after the other, in an
 order that alternates from turn to turn and from repeat to repeat; per turn the medians over the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from page_local import defaults
 from page_local.chat.session import ChatSession
 from page_local.engine.engine import Engine
 from page_local.errors import ContextFull
@@ -51,7 +52,8 @@ def _med(runs: list[dict], key: str) -> float:
 
 
 def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 3.0, gen: int = 32,
-               repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None) -> dict:
+               repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
+               budget: float | int = defaults.CHAT_BUDGET) -> dict:
     """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache."""
     for name, v, low in (("turns", turns, 2), ("n_ctx", n_ctx, 128), ("gen", gen, 1), ("repeats", repeats, 1),
                          ("threads", threads, 1)):
@@ -61,7 +63,7 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
         raise ValueError(f"--outgrow must be above 1 (the chat outgrows n_ctx), got {outgrow!r}")
     runs: dict[str, list[list[dict]]] = {"page_local": [[] for _ in range(turns)], "full": [[] for _ in range(turns)]}
     refusals = 0
-    with Engine(model_path, n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers) as pl:
+    with Engine(model_path, n_ctx=n_ctx, budget=budget, threads=threads, n_gpu_layers=n_gpu_layers) as pl:
         n_train = pl.model.n_ctx_train
         need = int(outgrow * n_ctx) + turns * (2 * gen + 32) + 256
         full_ctx = min(need, n_train) if n_train > 0 else need
@@ -107,7 +109,7 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
         return round(statistics.median(xs), 4) if xs else None
 
     return {
-        "bench": "chat", "turns": turns, "n_ctx": n_ctx, "full_n_ctx": full_ctx, "outgrow": outgrow, "gen": gen,
+        "bench": "chat", "turns": turns, "n_ctx": n_ctx, "budget": budget, "full_n_ctx": full_ctx, "outgrow": outgrow, "gen": gen,
         "repeats": repeats, "threads": threads,
         "conversation_tokens": per_turn[-1]["conversation_tokens"],
         "first_wall_turn": wall, "full_fits_turns": sum(1 for t in per_turn if "full" in t), "refusals": refusals,

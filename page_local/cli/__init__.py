@@ -15,6 +15,7 @@ from page_local.cli.common import show_llama_log
 from page_local.cli.eval import eval_group
 from page_local.cli.inspect import inspect_cmd
 from page_local.cli.models import models_cmd
+from page_local.cli.rpc_server import rpc_server_cmd
 from page_local.cli.run import run_cmd
 from page_local.cli.serve import bench_serve_cmd, serve_cmd
 
@@ -26,6 +27,7 @@ def main():
     show_llama_log()
 
 
-for _command in (run_cmd, chat_cmd, models_cmd, calibrate_cmd, inspect_cmd, eval_group, bench_group, serve_cmd):
+for _command in (run_cmd, chat_cmd, models_cmd, calibrate_cmd, inspect_cmd, eval_group, bench_group, serve_cmd,
+                 rpc_server_cmd):
     main.add_command(_command)
 bench_group.add_command(bench_serve_cmd, name="serve")  # beside its server (cli/serve.py)

@@ -187,10 +187,12 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
               help="The chat's messages add up to this many times --n-ctx.")
 @click.option("--gen", default=32, show_default=True, type=click.IntRange(min=1), help="Greedy answer tokens, at most.")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--budget", default=str(defaults.CHAT_BUDGET), show_default=True, type=BudgetType(),
+              help="page-local's speed budget (1.0, chat's default: room on demand only).")
 @threads_option
 @n_gpu_layers_option
 @json_option()
-def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, threads, n_gpu_layers, as_json):
+def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, threads, n_gpu_layers, as_json):
     """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache."""
     from page_local.bench.chat import chat_speed
 
@@ -209,4 +211,4 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, threads, n_gpu_layers
 
     path = resolve_model(model)
     _bench(as_json, lambda: chat_speed(path, turns=turns, n_ctx=n_ctx, outgrow=outgrow, gen=gen, repeats=repeats,
-                                       threads=threads, n_gpu_layers=n_gpu_layers), describe)
+                                       threads=threads, n_gpu_layers=n_gpu_layers, budget=budget), describe)

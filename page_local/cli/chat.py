@@ -8,14 +8,14 @@ import sys
 import click
 from rich.console import Console
 
-from page_local.cli.common import (engine_options, ladder_option, model_option, one_line_errors, resolve_model,
+from page_local.cli.common import (chat_engine_options, ladder_option, model_option, one_line_errors, resolve_model,
                                    show_llama_log)
 from page_local.cli.repl import MAX_TOKENS, Repl, run_loop, stdin_reader, terminal_reader
 
 
 @click.command("chat")
 @model_option
-@engine_options
+@chat_engine_options
 @ladder_option
 @click.option("--system", default=None, help="system prompt")
 @click.option("--max-tokens", default=MAX_TOKENS, show_default=True, type=click.IntRange(min=1))

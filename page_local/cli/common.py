@@ -110,9 +110,11 @@ def ladder_option(f):
              "smallest that passes is kept (ratios like 1/8 or 0.125, or counts).")(f)
 
 
-def budget_option(f):
-    return click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType(),
-                        help="Kept positions when the cache is evicted: a ratio (0.25) or a count (1024).")(f)
+def budget_option(f, default=defaults.BUDGET):
+    return click.option("--budget", default=str(default), show_default=True, type=BudgetType(),
+                        help="Kept positions when the cache is evicted: a ratio (0.25) or a count (1024)."
+                        + (" 1.0: no eviction for speed, only to make room when the context is full."
+                           if default == 1.0 else ""))(f)
 
 
 def evictor_option(f):
@@ -171,7 +173,7 @@ def _set_rpc(ctx: click.Context, param, value):
     too), and the variable is put back when the command ends."""
     if value is None:
         return None
-    from page_local.native.runtime import RPC_ENV, parse_rpc
+    from page_local.native.rpc import RPC_ENV, parse_rpc
 
     try:
         servers = parse_rpc(value, "--rpc")
@@ -223,10 +225,15 @@ def on_full_option(f):
              "context is read in parts), or refuse it.")(f)
 
 
-def engine_options(f):
+def engine_options(f, budget=defaults.BUDGET):
     """What every command that answers prompts takes: budget, evictor, gate, verify tokens, on-full, then
     context_options (in --help in this order)."""
-    return budget_option(evictor_option(gate_option(verify_tokens_option(on_full_option(context_options(f))))))
+    return budget_option(evictor_option(gate_option(verify_tokens_option(on_full_option(context_options(f))))), budget)
+
+
+def chat_engine_options(f):
+    """engine_options for conversations (chat, serve): the budget defaults to defaults.CHAT_BUDGET."""
+    return engine_options(f, defaults.CHAT_BUDGET)
 
 
 # --- inputs ------------------------------------------------------------------------------------

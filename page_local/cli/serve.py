@@ -11,7 +11,7 @@ import time
 import click
 
 from page_local.cli.common import (
-    engine_options,
+    chat_engine_options,
     fail,
     model_option,
     n_ctx_option,
@@ -49,7 +49,7 @@ def served_name(path) -> str:
 
 @click.command("serve")
 @model_option
-@engine_options
+@chat_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --api-key.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))

@@ -9,9 +9,8 @@ Loading also settles the honest limits: which device holds the layers and the KV
 (n_gpu_layers, Context.placement()), n_ctx against the model's trained context (ContextTooLong), and
 llama.cpp's log, routed to the "page_local.llama" logger by llama_log on first load.
 
-Remote devices (docs/rpc.md): Model(rpc=["HOST:PORT", ...]) adds the devices of ggml-rpc-server
-processes through ggml's backend registry and hands them to this model only (llama_model_params.devices,
-never the process-wide device list, so later local models stay local). The wire is unauthenticated.
+Remote devices (Model(rpc=...)) are rpc.py's; a server lost mid-run is a RemoteLost of the context's
+next decode, and the process goes on (a local engine still loads and runs).
 """
 
 from __future__ import annotations
@@ -19,29 +18,21 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import socket
-import struct
-import sys
-import threading
-import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from page_local.native import llama_log
+from page_local.native import backend, llama_log
+from page_local.native import rpc as rpc_mod
 from page_local.native import pageops as native
-from page_local.errors import ContextTooLong, DecodeError, LibraryError, ModelError
+from page_local.errors import ContextTooLong, DecodeError, ModelError, RemoteLost
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}
 GGUF_MAGIC = b"GGUF"
 N_GPU_LAYERS_ENV = "PAGE_LOCAL_N_GPU_LAYERS"  # the default of n_gpu_layers: a count or "all"
 ALL_LAYERS = -1  # llama.cpp: a negative n_gpu_layers offloads every layer and the output layer
-RPC_ENV = "PAGE_LOCAL_RPC"  # the default of rpc: HOST:PORT[,HOST:PORT...]
-RPC_TIMEOUT_ENV = "PAGE_LOCAL_RPC_TIMEOUT"  # seconds a server may take to accept and answer HELLO
-RPC_TIMEOUT = 5.0
 
 
 def parse_n_gpu_layers(value, source: str = "n_gpu_layers") -> int:
@@ -63,51 +54,16 @@ def supports_gpu_offload() -> bool:
     return bool(gpu_devices())
 
 
-_ggml_lock = threading.Lock()
-_ggml_lib = None
-
-
-def _ggml():
-    """The libllama CDLL with the ggml-backend functions used here declared (ggml's symbols resolve
-    through it: libllama links libggml and libggml-base)."""
-    global _ggml_lib
-    with _ggml_lock:
-        if _ggml_lib is not None:
-            return _ggml_lib
-        llama_log.install()
-        lib = native.llama_cpp().llama_cpp._lib
-        vp, sz, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
-        for name, res, args in (
-            ("ggml_backend_dev_count", sz, []), ("ggml_backend_dev_get", vp, [sz]),
-            ("ggml_backend_dev_name", cp, [vp]), ("ggml_backend_dev_description", cp, [vp]),
-            ("ggml_backend_dev_type", ctypes.c_int, [vp]),
-            ("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]),
-            ("ggml_backend_reg_by_name", vp, [cp]), ("ggml_backend_reg_get_proc_address", vp, [vp, cp]),
-            ("ggml_backend_reg_dev_count", sz, [vp]), ("ggml_backend_reg_dev_get", vp, [vp, sz]),
-            ("ggml_set_abort_callback", vp, [vp]),
-        ):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
-        _ggml_lib = lib
-        return lib
-
-
-def _dev_label(lib, dev) -> str:
-    name = (lib.ggml_backend_dev_name(dev) or b"?").decode("utf-8", "replace")
-    desc = (lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace")
-    return f"{name} ({desc})" if desc and desc != name else name
-
-
 def _gpu_device_handles() -> list[tuple[int, str]]:
     """(handle, label) of each device llama.cpp offloads layers to by default: the discrete GPUs, or the
     integrated ones when there is none."""
-    lib = _ggml()
+    lib = backend.lib()
     found: dict[int, list] = {1: [], 2: []}  # enum ggml_backend_dev_type: GPU = 1, IGPU = 2
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
         kind = lib.ggml_backend_dev_type(dev)
         if kind in found:
-            found[kind].append((dev, _dev_label(lib, dev)))
+            found[kind].append((dev, backend.dev_label(lib, dev)))
     return found[1] or found[2]
 
 
@@ -124,162 +80,6 @@ def default_n_gpu_layers(rpc: bool = False) -> int:
     if env:
         return parse_n_gpu_layers(env, f"${N_GPU_LAYERS_ENV}")
     return ALL_LAYERS if rpc or supports_gpu_offload() else 0
-
-
-# --- remote devices (ggml's RPC backend) ---------------------------------------------------------
-
-_ENDPOINT = re.compile(r"(?P<host>[A-Za-z0-9.\-]+):(?P<port>\d{1,5})")
-_rpc_in_use: Counter = Counter()  # endpoint -> open Models holding a connection to it
-_abort_cb = None  # the ctypes abort callback ggml holds a pointer to: kept alive for the process
-
-
-def parse_rpc(value, source: str = "rpc") -> tuple[str, ...]:
-    """'HOST:PORT[,HOST:PORT...]' or a list of them -> ('HOST:PORT', ...); None, '' or [] -> ().
-    ValueError names the entry that is not HOST:PORT (a name or an IPv4 address, a port 1-65535)."""
-    if value is None:
-        return ()
-    parts = value.split(",") if isinstance(value, str) else list(value)
-    out = []
-    for part in parts:
-        text = part.strip() if isinstance(part, str) else part
-        m = _ENDPOINT.fullmatch(text) if isinstance(text, str) else None
-        if not m or not 1 <= int(m.group("port")) <= 65535:
-            raise ValueError(f"{source}: {part!r} is not HOST:PORT (e.g. 192.168.1.20:50052)")
-        if text in out:
-            raise ValueError(f"{source}: {text} is given twice")
-        out.append(text)
-    return tuple(out)
-
-
-def default_rpc() -> tuple[str, ...]:
-    """$PAGE_LOCAL_RPC as parsed by parse_rpc (() when unset)."""
-    return parse_rpc(os.environ.get(RPC_ENV, "").strip() or None, f"${RPC_ENV}")
-
-
-def _rpc_timeout() -> float:
-    text = os.environ.get(RPC_TIMEOUT_ENV, "").strip()
-    try:
-        value = float(text) if text else RPC_TIMEOUT
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"${RPC_TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
-    return value
-
-
-# ggml-rpc's HELLO (ggml/src/ggml-rpc/ggml-rpc.cpp, protocol 7): command byte 14, u64 size, 24 bytes of
-# transport capabilities (zeros: plain TCP); the answer is u64 size, then major, minor, patch, pad, caps
-_RPC_HELLO, _RPC_CAPS, _RPC_MAJOR = 14, 24, 7
-
-
-def check_rpc_server(endpoint: str, timeout: float | None = None) -> None:
-    """Connect to a ggml-rpc-server and exchange HELLO as ggml's client does, within `timeout` seconds.
-    llama.cpp's own client aborts the process when a server is down or is no RPC server; this check comes
-    first so that those cases are one ModelError naming the address instead."""
-    timeout = _rpc_timeout() if timeout is None else timeout
-    host, port = endpoint.rsplit(":", 1)
-    what = f"the RPC server at {endpoint}"
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as s:
-            s.sendall(struct.pack("<BQ", _RPC_HELLO, _RPC_CAPS) + bytes(_RPC_CAPS))
-            answer = b""
-            while len(answer) < 8 + 4 + _RPC_CAPS:
-                chunk = s.recv(8 + 4 + _RPC_CAPS - len(answer))
-                if not chunk:
-                    raise ModelError(f"{what} closed the connection: is it a ggml-rpc-server of the same "
-                                     "page-local build? (docs/rpc.md)")
-                answer += chunk
-    except socket.timeout:
-        raise ModelError(f"{what} did not answer within {timeout:g} s (down, busy with another client, or "
-                         f"not a ggml-rpc-server; ${RPC_TIMEOUT_ENV} sets the wait)") from None
-    except OSError as e:
-        raise ModelError(f"cannot reach {what}: {e.strerror or e} (is ggml-rpc-server running there? docs/rpc.md)") from None
-    size, major, minor, patch = struct.unpack_from("<QBBB", answer)
-    if size != 4 + _RPC_CAPS or major != _RPC_MAJOR:
-        raise ModelError(f"{what} speaks RPC protocol {major}.{minor}.{patch}, this library "
-                         f"{_RPC_MAJOR}.x: run the ggml-rpc-server of the same page-local build")
-
-
-def _on_ggml_abort(message: bytes | None) -> None:
-    """ggml's abort hook (the process ends right after it returns: ggml calls abort()). llama.cpp's RPC
-    client aborts on a lost connection; say in one line which server is gone."""
-    try:
-        text = re.sub(r"\S*[/\\](ggml-rpc\.cpp:\d+)", r"\1", (message or b"").decode("utf-8", "replace").strip())
-        if "ggml-rpc" in text and _rpc_in_use:
-            gone = [ep for ep in list(_rpc_in_use) if not _listening(ep)]
-            where = ("the RPC server at " + ", ".join(gone)) if gone else \
-                ("an RPC server (one of " + ", ".join(_rpc_in_use) + ")")
-            sys.stderr.write(f"Error: lost {where} mid-run; llama.cpp's RPC client cannot recover from a "
-                             f"lost server and ends the process (ggml: {text})\n")
-            sys.stderr.flush()
-        else:  # what ggml does without a hook: the message and a backtrace
-            sys.stderr.write(f"{text}\n")
-            sys.stderr.flush()
-            backtrace = getattr(_ggml_lib, "ggml_print_backtrace", None)
-            if backtrace is not None:
-                backtrace()
-    except Exception:  # noqa: BLE001  (nothing may cross back into C)
-        pass
-
-
-def _listening(endpoint: str) -> bool:
-    """Whether a server still accepts connections (twice, 0.2 s apart: a killed one may accept once while
-    the kernel tears it down). No HELLO: a live server busy with this process's connection would not answer."""
-    host, port = endpoint.rsplit(":", 1)
-    for attempt in range(2):
-        try:
-            socket.create_connection((host, int(port)), timeout=0.5).close()
-        except OSError:
-            return False
-        if attempt == 0:
-            time.sleep(0.2)
-    return True
-
-
-def _install_abort_hook(lib) -> None:
-    global _abort_cb
-    if _abort_cb is None:
-        _abort_cb = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(_on_ggml_abort)
-        lib.ggml_set_abort_callback(ctypes.cast(_abort_cb, ctypes.c_void_p))
-
-
-def has_rpc() -> bool:
-    """Whether the loaded library was built with ggml's RPC backend (PAGE_RPC=ON)."""
-    return bool(_ggml().ggml_backend_reg_by_name(b"RPC"))
-
-
-def rpc_server_path() -> Path | None:
-    """The ggml-rpc-server built with the loaded library (installed beside it), or None."""
-    lib = native.llama_cpp().llama_cpp._lib
-    exe = Path(lib._name).resolve().parent / ("ggml-rpc-server.exe" if sys.platform == "win32" else "ggml-rpc-server")
-    return exe if exe.is_file() else None
-
-
-def rpc_devices(endpoints) -> list[tuple[int, str]]:
-    """(handle, 'RPCn HOST:PORT') of every device the servers offer, in order: each server is checked
-    first (check_rpc_server) unless an open Model of this process is connected to it already."""
-    lib = _ggml()
-    reg = lib.ggml_backend_reg_by_name(b"RPC")
-    if not reg:
-        raise LibraryError("this build of page-local's library has no RPC backend: rebuild it with "
-                           "`make setup RPC=1` (or CMAKE_ARGS=-DPAGE_RPC=ON pip install .)")
-    addr = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
-    if not addr:
-        raise LibraryError("the RPC backend of this library has no ggml_backend_rpc_add_server")
-    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(addr)
-    _install_abort_hook(lib)
-    out = []
-    for ep in endpoints:
-        if not _rpc_in_use[ep]:  # a connected server serves no second client: it would not answer
-            check_rpc_server(ep)
-        server = add_server(ep.encode())
-        n = lib.ggml_backend_reg_dev_count(server) if server else 0
-        if n == 0:
-            raise ModelError(f"the RPC server at {ep} offers no device")
-        for i in range(n):
-            dev = lib.ggml_backend_reg_dev_get(server, i)
-            out.append((dev, f"{(lib.ggml_backend_dev_name(dev) or b'RPC').decode()} {ep}"))
-    return out
 
 
 def layer_split(free: list[int], n_gpu: int, n_layer: int) -> list[int]:
@@ -350,7 +150,7 @@ class Model:
         else 0). rpc: 'HOST:PORT' of ggml-rpc-servers (a list or a comma-separated string), None for
         $PAGE_LOCAL_RPC; their devices come first, as llama.cpp orders them, then the local GPUs; the
         offloaded layers are split between them by free memory (llama.cpp's default split)."""
-        self.rpc = default_rpc() if rpc is None else parse_rpc(rpc)
+        self.rpc = rpc_mod.default_rpc() if rpc is None else rpc_mod.parse_rpc(rpc)
         n_gpu = default_n_gpu_layers(bool(self.rpc)) if n_gpu_layers is None else parse_n_gpu_layers(n_gpu_layers)
         self.path = check_gguf(path)
         lc = native.llama_cpp()
@@ -360,11 +160,11 @@ class Model:
         params.n_gpu_layers = n_gpu
         self._devices = None
         if self.rpc:
-            devs = rpc_devices(self.rpc) + _gpu_device_handles()
+            devs = rpc_mod.rpc_devices(self.rpc) + _gpu_device_handles()
             self._devices = (ctypes.c_void_p * (len(devs) + 1))(*[d for d, _ in devs], None)  # NULL-terminated
             params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
             self._split_labels = [label for _, label in devs]
-            self._split_free = [_free_memory(d) for d, _ in devs]
+            self._split_free = [backend.free_memory(d) for d, _ in devs]
         with llama_log.held() as log:
             try:
                 # verbose=True: llama-cpp-python then leaves stdout/stderr alone during the load (its
@@ -378,7 +178,7 @@ class Model:
                     "architecture" + (", or a remote device could not take its layers" if self.rpc else "")
                     + (f" (llama.cpp: {reason})" if reason else "")
                 ) from e
-        _rpc_in_use.update(self.rpc)
+        rpc_mod.in_use.update(self.rpc)
         self.ptr = self._m.model
         self.vocab = lc.llama_model_get_vocab(self.ptr)
         self.n_layer = int(lc.llama_model_n_layer(self.ptr))
@@ -450,24 +250,16 @@ class Model:
         if getattr(self, "_m", None) is not None:
             self._m.close()
             self._m = None
-            _rpc_in_use.subtract(self.rpc)
+            rpc_mod.in_use.subtract(self.rpc)
             for ep in self.rpc:
-                if _rpc_in_use[ep] <= 0:
-                    del _rpc_in_use[ep]
+                if rpc_mod.in_use[ep] <= 0:
+                    del rpc_mod.in_use[ep]
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _free_memory(dev) -> int:
-    """Free memory of a device in bytes (llama.cpp's split weight; its host's memory when it reports none)."""
-    lib = _ggml()
-    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-    return int(free.value)
 
 
 @dataclass(frozen=True)
@@ -572,11 +364,7 @@ class Context:
                 b.seq_id[i][0] = seq_id
                 b.logits[i] = bool(mask[s + i])
             b.n_tokens = m
-            rc = self._lc.llama_decode(self.ptr, b)
-            if rc != 0:
-                raise DecodeError(
-                    "llama_decode failed: the KV cache is full (no free slot)" if rc == 1 else f"llama_decode failed with code {rc}"
-                )
+            self._run(b)
 
     def decode_step(self, tokens, positions, seq_ids) -> None:
         """Decode one batch whose token i sits at positions[i] in sequence seq_ids[i], with logits for
@@ -593,7 +381,20 @@ class Context:
             b.seq_id[i][0] = seq_ids[i]
             b.logits[i] = True
         b.n_tokens = n
+        self._run(b)
+
+    def _run(self, b) -> None:
+        """llama_decode of the filled batch; RemoteLost once a server of this model's is gone (before the
+        call: nothing more is computed on a model with missing layers; after it and its read-back: the
+        batch's outputs read as zeros)."""
+        remote = self.model.rpc
+        if remote and (gone := rpc_mod.lost(remote)):
+            raise RemoteLost(gone)
         rc = self._lc.llama_decode(self.ptr, b)
+        if remote:  # llama_decode returns before the outputs are read back: wait for them, then ask
+            self._lc.llama_synchronize(self.ptr)
+            if gone := rpc_mod.lost(remote):
+                raise RemoteLost(gone)
         if rc != 0:
             raise DecodeError(
                 "llama_decode failed: the KV cache is full (no free slot)" if rc == 1 else f"llama_decode failed with code {rc}"

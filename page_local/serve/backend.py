@@ -42,7 +42,7 @@ class Settings:
     model_path: Path
     served_name: str  # the model's id in /v1/models and in requests' "model"
     n_ctx: int = defaults.N_CTX
-    budget: float | int = defaults.BUDGET
+    budget: float | int = defaults.CHAT_BUDGET
     evictor: str = defaults.EVICTOR
     gate: str = defaults.GATE
     verify_tokens: int | None = None  # None: the engine's default (verify.VERIFY_CAP)
