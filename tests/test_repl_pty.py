@@ -229,7 +229,7 @@ def test_chat_through_a_pty(chat, tmp_path):
     out = c2.ask("/stats")
     assert "No turn yet" in out
     out = c2.ask(f"/load {conv}")
-    assert re.search(r"Loaded 4 messages; budget 0\.25 · evictor snapkv · gate verify · verify-tokens 64 · "
+    assert re.search(r"Loaded 4 messages; budget 1\.0 · evictor snapkv · gate verify · verify-tokens 64 · "
                      r"on-full evict · temperature 0 · max-tokens 24", out), out
     out = c2.ask("/stats")  # a re-prefill is no turn: no decision to show, the cells it holds
     assert "No turn yet" in out and "re-prefilled since" in out, out

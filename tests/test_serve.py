@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from page_local import defaults
+
 httpx = pytest.importorskip("httpx", reason="the test extra (openai, httpx) is not installed")
 openai = pytest.importorskip("openai", reason="the test extra (openai) is not installed")
 pytest.importorskip("starlette", reason="the [serve] extra is not installed")
@@ -226,7 +228,7 @@ def test_greedy_answers_equal_the_engine(client, smollm2_path, gate):
         for messages in chats:
             ref = eng.generate(eng.model.tokenize(tpl.render(messages), add_special=True), max_tokens=24)
             r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0,
-                                               extra_body={"page_local": {"gate": gate}})
+                                               extra_body={"page_local": {"gate": gate, "budget": eng.budget}})
             assert r.choices[0].message.content == ref.text
             assert r.usage.completion_tokens == len(ref.tokens)
             d = ext(r)["decision"]
@@ -255,7 +257,7 @@ def six_turns(client, gate: str, budget=None) -> list:
 
 @pytest.mark.parametrize("gate", ["never", "always"])
 def test_later_turns_reuse_the_earlier_ones(client, gate):
-    turns = six_turns(client, gate)
+    turns = six_turns(client, gate, budget=0.25 if gate == "always" else None)
     for prev, r in itertools.pairwise(turns):
         cached = r.usage.prompt_tokens_details.cached_tokens
         # everything the previous request sent is reused; only the new message (and the answer's
@@ -291,6 +293,8 @@ def test_per_request_settings_do_not_stick(client, http):
     assert ext(r)["decision"]["evictor"] == "knorm"
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0)
     assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == "snapkv"
+    # the server's default budget is chat's: no eviction for speed, only room on demand
+    assert ext(r)["settings"]["budget"] == defaults.CHAT_BUDGET == 1.0
 
 
 def test_sampling_fields(client):
