@@ -47,7 +47,23 @@ struct layer_capture {
     ggml_tensor * sum  = nullptr; // F32 [n_kv, n_head]: softmax summed over the batch's queries
                                   // (cost mode: F32 [n_kv, n_query], deletion cost summed over heads)
     int64_t       n_kv = 0;
+    // a layer on a remote (RPC) device, rows not kept: what is read back instead of `sum`, reduced
+    // on the device so that little crosses the wire
+    ggml_tensor * top_idx  = nullptr; // I32 [k, n_head]: each head's k largest cells, in no order
+    ggml_tensor * top_val  = nullptr; // F32 [1, k, n_head]: their sums
+    ggml_tensor * head_sum = nullptr; // F32 [1, n_kv]: the sums added over the heads
 };
+
+// whether a tensor (or the tensor it views) lives in a buffer of ggml's RPC backend
+bool on_rpc_device(const ggml_tensor * t) {
+    while (t && t->view_src) {
+        t = t->view_src;
+    }
+    if (!t || !t->buffer) {
+        return false;
+    }
+    return std::strncmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "RPC", 3) == 0;
+}
 
 // R_h factors of the output projection, one F32 [d_v, d_v, n_head] tensor per layer (row-major R_h),
 // on the device that holds the layer's W_O; beside them, per layer, F32 [n_ctx, n_head]: ||R_h v||^2
@@ -247,6 +263,48 @@ ggml_backend_buffer_type_t proj_buft(const llama_model & model, int il) {
     return dev ? ggml_backend_dev_buffer_type(dev) : ggml_backend_cpu_buffer_type();
 }
 
+// A layer reduced on its device: the head sums give the mean, the device's per-head top-k (over every
+// cell, in no order) is filtered to the cells this layer's queries see and sorted as the host path
+// sorts (descending score, then ascending position). Scores are those of the host path; only which of
+// several exactly equal scores make the cut can differ.
+void collect_reduced(probe_state & st, int32_t il, const std::vector<std::pair<llama_pos, uint32_t>> & visible,
+                     const std::vector<llama_pos> & all, int32_t n_head, int32_t n_query) {
+    const layer_capture & lc = st.layers[il];
+    const int64_t n_pos = (int64_t) all.size();
+    const int32_t k  = st.top_k;
+    const int64_t kd = lc.top_idx->ne[0];
+    std::vector<int32_t> ids((size_t) kd * n_head);
+    std::vector<float>   vals((size_t) kd * n_head);
+    std::vector<float>   hsum((size_t) lc.n_kv);
+    ggml_backend_tensor_get(lc.top_idx,  ids.data(),  0, ids.size()  * sizeof(int32_t));
+    ggml_backend_tensor_get(lc.top_val,  vals.data(), 0, vals.size() * sizeof(float));
+    ggml_backend_tensor_get(lc.head_sum, hsum.data(), 0, hsum.size() * sizeof(float));
+    std::vector<int64_t> col((size_t) lc.n_kv, -1); // cell -> column of `all`, -1 when not visible
+    for (const auto & [pos, cell] : visible) {
+        const int64_t ip = std::lower_bound(all.begin(), all.end(), pos) - all.begin();
+        col[cell] = ip;
+        st.mean[(size_t) il * n_pos + ip] = hsum[cell] / (float) n_query / (float) n_head;
+    }
+    std::vector<std::pair<float, int64_t>> cand;
+    for (int32_t h = 0; h < n_head; ++h) {
+        cand.clear();
+        for (int64_t j = 0; j < kd; ++j) {
+            const int32_t c = ids[(size_t) h * kd + j];
+            if (c >= 0 && c < lc.n_kv && col[c] >= 0) {
+                cand.emplace_back(vals[(size_t) h * kd + j] / (float) n_query, col[c]);
+            }
+        }
+        std::sort(cand.begin(), cand.end(), [](const auto & a, const auto & b) {
+            return a.first > b.first || (a.first == b.first && a.second < b.second);
+        });
+        const size_t kk = std::min<size_t>((size_t) k, cand.size());
+        for (size_t j = 0; j < kk; ++j) {
+            st.topk_pos  [((size_t) il * n_head + h) * k + j] = all[cand[j].second];
+            st.topk_score[((size_t) il * n_head + h) * k + j] = cand[j].first;
+        }
+    }
+}
+
 // Copy the device sums to the host and turn them into the per-position result.
 std::string collect(llama_context * ctx, probe_state & st) {
     const llama_model   & model   = ctx->get_model();
@@ -314,6 +372,9 @@ std::string collect(llama_context * ctx, probe_state & st) {
     std::vector<float> sums;
     for (int32_t il = 0; il < n_layer; ++il) {
         const layer_capture & lc = st.layers[il];
+        if (lc.top_idx) {
+            continue; // reduced on its device: read below
+        }
         sums.resize((size_t) lc.n_kv * n_head);
         ggml_backend_tensor_get(lc.sum, sums.data(), 0, sums.size() * sizeof(float));
         for (const auto & [pos, cell] : visible[il]) {
@@ -329,6 +390,10 @@ std::string collect(llama_context * ctx, probe_state & st) {
     st.topk_score.assign((size_t) n_layer * n_head * k, 0.0f);
     std::vector<int64_t> idx;
     for (int32_t il = 0; il < n_layer; ++il) {
+        if (st.layers[il].top_idx) {
+            collect_reduced(st, il, visible[il], all, n_head, n_query);
+            continue;
+        }
         // candidate columns: the positions visible in this layer
         idx.clear();
         for (const auto & pc : visible[il]) {
@@ -523,6 +588,24 @@ void llama_page_probe_attn(ggml_context * ctx0, ggml_cgraph * gf,
     t = ggml_sum_rows(ctx0, t);
     t = ggml_reshape_2d(ctx0, t, t->ne[1], t->ne[2]);
     ggml_format_name(t, "page_probe-%d", il);
+
+    const int64_t n_kv = t->ne[0], n_head = t->ne[1];
+    if (on_rpc_device(k) && !st->keep_rows && st->top_k <= n_kv) {
+        // a remote layer: reduce on its device (ggml's own ops, which RPC sends), read back the
+        // per-head top-k and the head sums: k * n_head * 8 + n_kv * 4 bytes instead of n_kv * n_head * 4
+        ggml_tensor * idx  = ggml_top_k(ctx0, t, st->top_k);                                      // I32 [k, n_head]
+        ggml_tensor * val  = ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, t, 1, n_kv, n_head), idx); // [1, k, n_head]
+        ggml_tensor * hsum = ggml_sum_rows(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, t)));      // [1, n_kv]
+        ggml_format_name(idx,  "page_probe_topk-%d", il);
+        ggml_format_name(val,  "page_probe_topv-%d", il);
+        ggml_format_name(hsum, "page_probe_hsum-%d", il);
+        for (ggml_tensor * out : { idx, val, hsum }) {
+            ggml_set_output(out);
+            ggml_build_forward_expand(gf, out);
+        }
+        st->layers[il] = { t, n_kv, idx, val, hsum };
+        return;
+    }
     ggml_set_output(t);
     ggml_build_forward_expand(gf, t);
 

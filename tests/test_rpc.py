@@ -204,9 +204,10 @@ def test_probe_equals_a_local_run(pair, flash_attn):
             assert sure <= set(y.topk_pos[l, h].tolist()), (l, h)
 
 
-def test_probe_read_back_over_the_wire_is_one_row_per_head(pair, servers):
-    """The probe reads back, per layer on a server, its (n_kv, n_head) f32 sums over the W queries:
-    one row per head, never the (W, n_kv, n_head) scores. Measured as what the servers send (the
+def test_probe_read_back_over_the_wire_is_top_k_and_head_means(pair, servers):
+    """A layer on a server is reduced there (ggml_top_k, get_rows, sum_rows: ops RPC sends): the probe
+    reads back per layer its per-head top-k cells and scores and one row of head sums, never the
+    (n_kv, n_head) sums, let alone the (W, n_kv, n_head) scores. Measured as what the servers send (the
     kernel's byte counters), an armed batch against the same batch unarmed."""
     if shutil.which("ss") is None:
         pytest.skip("needs ss (iproute2) to read the bytes the servers sent from the kernel's tcp_info")
@@ -227,11 +228,29 @@ def test_probe_read_back_over_the_wire_is_one_row_per_head(pair, servers):
     model = pair[1].model
     n_kv = 512  # 332 cells, padded to 256
     remote_layers = sum(1 for d in model.split[:-1] if d >= 0)
-    rows = remote_layers * model.n_head * n_kv * 4
+    reduced = remote_layers * (model.n_head * TOP_K * (4 + 4) + n_kv * 4)
+    rows = remote_layers * model.n_head * n_kv * 4  # what the host-side reduction would read
     extra = sent[1] - sent[0]
     print(f"\nprobe read-back over the wire: {extra} bytes per armed batch ({remote_layers} remote layers x "
-          f"{model.n_head} heads x {n_kv} cells x 4 B = {rows}); unarmed batch: {sent[0]} bytes")
-    assert rows <= extra <= rows + 4096  # the rows and a few RPC headers: the (W, n_kv, n_head) scores would be W times that
+          f"({model.n_head} heads x {TOP_K} x 8 B + {n_kv} cells x 4 B) = {reduced}; one row per head would be "
+          f"{rows}); unarmed batch: {sent[0]} bytes")
+    assert reduced <= extra <= reduced + 4096  # the reductions and a few RPC headers
+
+
+def test_probe_rows_kept_over_the_wire_equal_a_local_run(pair):
+    """Asked for its per-head rows (keep_rows), the probe reads the sums back as before, remote or not."""
+    tokens = random_tokens(PREFIX + W, seed=6)
+    got = []
+    for ctx in _contexts(pair):
+        with ctx:
+            ctx.decode(tokens[:PREFIX], 0, logits="none")
+            ctx.page.arm_probe(0, top_k=TOP_K, keep_rows=True)
+            ctx.decode(tokens[PREFIX:], PREFIX)
+            got.append(ctx.page.read_probe())
+    a, b = got
+    assert a.rows is not None and b.rows is not None and a.rows.shape == b.rows.shape
+    np.testing.assert_allclose(b.rows, a.rows, rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(b.mean, a.mean, rtol=1e-3, atol=1e-7)
 
 
 def test_evict_and_compact_give_a_local_runs_outputs(pair):
