@@ -412,22 +412,20 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_killed_remote_mid_run(smollm2_path, server_exe):
-    """A server killed while an answer is being generated: the answer stops with one RemoteLost naming
-    the server's address (ggml's RPC client, as csrc/upstream.patch leaves it, no longer aborts the
-    process), the engine keeps refusing with the same error, closing it works, and a local engine in the
-    same process loads and answers."""
+def _kill_mid_run(server_exe, argv, started, stdin=False):
+    """Start a child on one fresh server (argv(endpoint) -> its command line), SIGKILL the server once
+    started(child) has returned what the child printed first, then let the child finish (60 s at most).
+    The server and the child are stopped however this ends. Returns (endpoint, returncode, out, err)."""
     srv = Server(server_exe)
     try:
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(smollm2_path), srv.endpoint],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        child = subprocess.Popen(argv(srv.endpoint), stdin=subprocess.PIPE if stdin else None,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            if child.stdout.readline().strip() != "MID":
-                child.kill()
-                pytest.fail(f"the child did not reach the middle of its answer: {child.communicate()}")
+            first = started(child)
             srv.stop(signal.SIGKILL)
-            child.stdin.write("go\n")
-            child.stdin.flush()
+            if stdin:
+                child.stdin.write("go\n")
+                child.stdin.flush()
             out, err = child.communicate(timeout=60)
         finally:
             if child.poll() is None:
@@ -435,10 +433,27 @@ def test_killed_remote_mid_run(smollm2_path, server_exe):
                 child.communicate()
     finally:
         srv.stop()
-    assert child.returncode == 0, (child.returncode, out, err)
+    return srv.endpoint, child.returncode, first + out, err
+
+
+def test_killed_remote_mid_run(smollm2_path, server_exe):
+    """A server killed while an answer is being generated: the answer stops with one RemoteLost naming
+    the server's address (ggml's RPC client, as csrc/upstream.patch leaves it, no longer aborts the
+    process), the engine keeps refusing with the same error, closing it works, and a local engine in the
+    same process loads and answers."""
+    def started(child):
+        line = child.stdout.readline()
+        if line.strip() != "MID":
+            child.kill()
+            pytest.fail(f"the child did not reach the middle of its answer: {line!r} {child.communicate()}")
+        return ""
+
+    endpoint, rc, out, err = _kill_mid_run(
+        server_exe, lambda ep: [sys.executable, "-c", _CHILD, str(smollm2_path), ep], started, stdin=True)
+    assert rc == 0, (rc, out, err)
     lines = out.splitlines()
-    want = f"lost the RPC server at {srv.endpoint} mid-run"
-    assert [line for line in lines if line.startswith("RAISED")] and want in lines[0], out
+    want = f"lost the RPC server at {endpoint} mid-run"
+    assert lines and lines[0].startswith("RAISED") and want in lines[0], out
     assert any(line.startswith("AGAIN RAISED") and want in line for line in lines), out
     assert any(line.startswith("LOCAL OK") and "Paris" in line for line in lines), out
     assert "Traceback" not in err, err
@@ -447,26 +462,18 @@ def test_killed_remote_mid_run(smollm2_path, server_exe):
 def test_a_lost_server_is_one_line_from_the_cli(smollm2_path, server_exe):
     """`page-local run --rpc` with the server killed during the answer: exit 1, one 'Error:' line naming
     the address, no traceback and no abort."""
-    srv = Server(server_exe)
-    try:
-        child = subprocess.Popen([sys.executable, "-m", "page_local.cli", "run", "--model", str(smollm2_path),
-                                  "--rpc", srv.endpoint, "--gate", "never", "--threads", "1", "--n-ctx", "512",
-                                  "--max-tokens", "400", "--prompt", "The history of the lighthouse begins"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            first = child.stdout.read(8)  # the answer has begun: the server is in use
-            assert first, child.communicate()
-            srv.stop(signal.SIGKILL)
-            out, err = child.communicate(timeout=60)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.communicate()
-    finally:
-        srv.stop()
-    assert child.returncode == 1, (child.returncode, first + out, err)
+    def started(child):
+        first = child.stdout.read(8)  # the answer has begun: the server is in use
+        assert first, child.communicate()
+        return first
+
+    endpoint, rc, out, err = _kill_mid_run(server_exe, lambda ep: [
+        sys.executable, "-m", "page_local.cli", "run", "--model", str(smollm2_path), "--rpc", ep, "--gate", "never",
+        "--threads", "1", "--n-ctx", "512", "--max-tokens", "400", "--prompt", "The history of the lighthouse begins"],
+        started)
+    assert rc == 1, (rc, out, err)
     errors = [line for line in err.splitlines() if line.startswith("Error: ")]
-    assert len(errors) == 1 and f"lost the RPC server at {srv.endpoint} mid-run" in errors[0], err
+    assert len(errors) == 1 and f"lost the RPC server at {endpoint} mid-run" in errors[0], err
     assert "Traceback" not in err and "GGML" not in err, err
 
 
