@@ -509,3 +509,33 @@ def test_rpc_server_command_starts_the_built_server(server_exe):
         out, err = proc.communicate(timeout=20)
     assert f"page-local rpc-server: 127.0.0.1:{port}" in err and f"--rpc 127.0.0.1:{port}" in err, err
     assert "warning" not in err  # loopback: no network warning
+
+
+def test_serve_answers_a_lost_server_with_an_error_and_keeps_running(smollm2_path, server_exe):
+    """`page-local serve --rpc`: with its server killed, a request gets one 503 naming the address (no
+    traceback in the log), and the HTTP server itself stays up."""
+    httpx = pytest.importorskip("httpx", reason="the test extra (httpx) is not installed")
+    from page_local.serve.bench import free_port
+    from tests.test_serve import start_server, stop_server, wait_ready
+
+    srv = Server(server_exe)
+    port = free_port()
+    proc = start_server(port, "--model", str(smollm2_path), "--rpc", srv.endpoint, "--n-ctx", "512",
+                        "--threads", "1", "--gate", "never", key=None)
+    try:
+        wait_ready(proc, port)
+        ask = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4, "temperature": 0}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        assert httpx.post(url, json=ask, timeout=60).status_code == 200
+        srv.stop(signal.SIGKILL)
+        r = httpx.post(url, json=ask, timeout=60)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "rpc_server_lost" and f"lost the RPC server at {srv.endpoint}" in err["message"]
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        assert proc.poll() is None
+    finally:
+        srv.stop()
+        stop_server(proc)
+    log = proc.stdout.read()
+    assert "Traceback" not in log, log

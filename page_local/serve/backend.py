@@ -20,7 +20,7 @@ from pathlib import Path
 
 from page_local import defaults
 from page_local.engine import narrate
-from page_local.errors import ContextFull, EngineBusy, PageLocalError
+from page_local.errors import ContextFull, EngineBusy, PageLocalError, RemoteLost
 from page_local.serve.protocol import (
     ApiError,
     Job,
@@ -222,6 +222,11 @@ class Backend:
         except ApiError as e:
             self._count(None)
             emit(("error", e))
+        except RemoteLost as e:  # an --rpc server stopped answering: this slot's model cannot run on
+            self._count(None)
+            log.error("slot %d: %s", slot.index, e)
+            emit(("error", ApiError(503, f"{e}. Restart page-local serve once the RPC server is back.",
+                                    "rpc_server_lost")))
         except EngineBusy as e:  # not expected: one thread drives each engine
             self._count(None)
             emit(("error", ApiError(503, str(e), "server_busy", headers={"Retry-After": "1"})))
