@@ -75,10 +75,10 @@ chat: setup
 	$(BIN)/page-local chat
 
 test: setup
-	$(BIN)/python -m pytest -q
+	PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -m "not slow"
 
 # >= 1000 hypothesis examples of random cache operations on a tiny model (a fast subset runs in `make test`)
 fuzz: setup
