@@ -147,10 +147,8 @@ def lost(endpoints) -> list[str]:
     """The endpoints among these whose connection failed mid-run. ggml's RPC client, as page-local
     patches it (csrc/upstream.patch), stops sending once a server stops answering, reads zeros for its
     answers and fails every later graph, instead of aborting the process; this asks which."""
-    if not endpoints:
-        return []
-    query = _lost_query()
-    return [ep for ep in endpoints if query is not None and query(ep.encode())]
+    query = _lost_query() if endpoints else None
+    return [ep for ep in endpoints if query(ep.encode())] if query else []
 
 
 def _lost_query():

@@ -384,12 +384,9 @@ class Context:
         self._run(b)
 
     def _run(self, b) -> None:
-        """llama_decode of the filled batch; RemoteLost once a server of this model's is gone (before the
-        call: nothing more is computed on a model with missing layers; after it and its read-back: the
-        batch's outputs read as zeros)."""
+        """llama_decode of the filled batch; RemoteLost once a server of this model's is gone (the batch's
+        outputs then read as zeros, and every later graph fails: the check after the read-back covers both)."""
         remote = self.model.rpc
-        if remote and (gone := rpc_mod.lost(remote)):
-            raise RemoteLost(gone)
         rc = self._lc.llama_decode(self.ptr, b)
         if remote:  # llama_decode returns before the outputs are read back: wait for them, then ask
             self._lc.llama_synchronize(self.ptr)
