@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -95,6 +96,8 @@ def main(argv=None) -> None:
         if not rest:
             ap.error(f"{spec!r} is not LABEL=ROWS[:EVICTOR]")
         path, _, evictor = rest.partition(":")
+        if not Path(path).is_file():
+            ap.error(f"{path}: no such rows file (an `eval run --out` JSONL, or its .gz)")
         pts = points(read_rows(path), evictor or "snapkv")
         if not pts:
             ap.error(f"{path} has no rows of evictor {evictor or 'snapkv'} under always, verify or search")
