@@ -58,6 +58,8 @@ def make_input(T: int, B: int, *, W: int = 8, n_sink: int = 4, seed: int = 0, ga
         .astype(np.float32),
         lookahead=Lookahead(positions=held.astype(np.int32), cost=rng.random((2, n_layer, T)),
                             n_fed=np.array([3, 2], dtype=np.int32), logprob=-rng.random(2), entropy=rng.random(2)),
+        answer_lookahead=Lookahead(positions=held.astype(np.int32), cost=rng.random((1, n_layer, T)),
+                                   n_fed=np.array([5], dtype=np.int32), logprob=np.zeros(1), entropy=np.zeros(1)),
         seed=seed,
     )
     fields.update(overrides)

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from page_local.cli import main
 from page_local.cli.bench import bench_group
 from page_local.engine import Decision
+from page_local.engine.turn import AFTER_ANSWER
 from page_local.evictors import EVICTORS
 from tests.conftest import one_line_error
 from tests.fakes import FakeEngine, decision
@@ -125,10 +126,16 @@ def test_run_binary_prompt_file(cli, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(EVICTORS), ids=sorted(EVICTORS))
 def test_run_every_evictor_is_accepted(cli, name):
-    res = cli("run", "--prompt", "The grass is green. " * 12, "--evictor", name, "--gate", "always", "--json", *SMALL)
+    after_answer = bool(EVICTORS[name].needs & AFTER_ANSWER)  # lorekv-answer: only under a verify gate
+    res = cli("run", "--prompt", "The grass is green. " * 12, "--evictor", name, "--gate",
+              "verify" if after_answer else "always", "--json", *SMALL)
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)["decision"]
-    assert d["evictor"] == name and d["evicted"] and d["kept"] == d["B"] < d["T"]
+    if after_answer:  # scored by the answer at the check; committed or not, as the check says
+        assert d["evictor"] == name and d["lookahead_ms"] > 0 and d["verify_forced"] > 0
+        assert d["kept"] == (d["B"] if d["evicted"] else d["T"])
+    else:
+        assert d["evictor"] == name and d["evicted"] and d["kept"] == d["B"] < d["T"]
 
 
 def _peer_installed() -> bool:
@@ -231,12 +238,25 @@ def test_run_warns_when_the_calibration_pilot_had_other_prompt_lengths(cli, smol
     assert d["rule"] == "calibrated" and d["gate_note"] == lines[-2].removeprefix("warning: ")
 
 
-def test_bench_verify_with_a_ladder_measures_every_rung_at_once(cli):
+def test_bench_verify_with_a_ladder_checks_the_smallest_rung_first(cli):
     res = cli("bench", "verify", "--tokens", "256", "--m", "4", "--repeats", "1", "--ladder", "1/4,1/2",
               "--threads", "1", "--json")
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
     assert r["candidates"] == 2 and r["ladder"] == [0.25, 0.5] and r["verify_ms"] > 0 and r["ratio"] > 0
+    # every check passes on this prompt: only the smallest rung is decoded (the answer's tokens + the last
+    # prompt token)
+    assert r["prompt"] == "needle" and r["forced_mean"] == r["m_checked"] + 1
+
+
+def test_bench_verify_on_task_prompts_decides_as_in_use(cli):
+    res = cli("bench", "verify", "--tokens", "512", "--m", "8", "--repeats", "1", "--prompt", "tasks",
+              "--ladder", "1/8,1/2", "--threads", "1", "--json")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    # the prompts leave room for the task's answer, as `eval run --length` does
+    assert r["prompt"] == "tasks" and 1 <= r["runs"] <= 5 and 256 <= r["tokens"] <= 512
+    assert 0 < r["forced_mean"] <= 2 * (8 + 1) and r["ratio_max"] >= r["ratio"] > 0
 
 
 def test_run_with_budget_search(cli):

@@ -418,3 +418,25 @@ def test_search_rows_commit_the_smallest_budget_whose_verify_row_passed(smollm2_
             assert not search["evicted"] and search["prediction"] == full["prediction"] and search["kept"] == search["T"]
         ps = next(r for r in mine if r["gate"] == "page+search")
         assert ps["evicted"] == (search["evicted"] and full["page_open"])
+        # the check's cost as the engine pays it: the rungs smallest first, up to the committed one
+        upto = verify[: verify.index(passed[0]) + 1] if passed else verify
+        assert search["search_forced"] == sum(r["verify_forced"] or 0 for r in upto)
+        for r in verify:  # a candidate stops at the chunk of its first changed top token
+            n = r["verify_tokens"] + 1  # the last prompt token and the answer
+            assert r["verify_forced"] == (n if not r["verify_changed"] else
+                                          next(min(e, n) for e in (4, 12, 28, 60, 124) if e > r["verify_changed"][0]))
+
+
+def test_lorekv_answer_rows_are_scored_by_the_full_cache_answer(smollm2_path, home, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    with pytest.raises(ValueError, match="only the verify and search gates"):
+        run_eval(smollm2_path, tasks=["niah_single_1"], n=1, length=600, budgets=[0.25], evictors=["lorekv-answer"],
+                 gates=["always", "verify"], out=out, threads=THREADS)
+    run_eval(smollm2_path, tasks=["niah_single_1"], n=2, length=600, budgets=[0.125, 0.5],
+             evictors=["lorekv-answer"], gates=["verify", "search"], out=out, threads=THREADS)
+    rows = read_rows(out)
+    ver = [r for r in rows if r["gate"] == "verify"]
+    assert len(ver) == 4 and all(r["evictor"] == "lorekv-answer" for r in ver)
+    # one scoring per input, shared by its budgets, and every candidate was checked
+    assert all(r["timings"]["lookahead_ms"] > 0 and r["verify_tokens"] >= 1 for r in ver)
+    assert len({(r["index"], r["timings"]["lookahead_ms"]) for r in ver}) == 2

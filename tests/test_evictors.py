@@ -47,10 +47,11 @@ def check_invariants(inp: EvictionInput, keep: np.ndarray) -> None:
 
 
 def test_registry_covers_the_documented_methods():
-    assert set(EVICTORS) == {"snapkv", "streamingllm", "h2o", "tova", "knorm", "pyramidkv", "random", "lorekv"}
+    assert set(EVICTORS) == {"snapkv", "streamingllm", "h2o", "tova", "knorm", "pyramidkv", "random", "lorekv",
+                             "lorekv-answer"}
     for name, cls in EVICTORS.items():
         assert cls.name == name
-        assert cls.needs <= {"probe", "last_query", "prefill_attention", "key_norms", "lookahead"}
+        assert cls.needs <= {"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -241,7 +242,7 @@ def test_pyramidkv_rejects_unknown_reduce():
 # --- registry, input and budget validation -----------------------------------------------------
 
 def test_unknown_evictor_lists_the_valid_names():
-    valid = "h2o, knorm, lorekv, pyramidkv, random, snapkv, streamingllm, tova"
+    valid = "h2o, knorm, lorekv, lorekv-answer, pyramidkv, random, snapkv, streamingllm, tova"
     with pytest.raises(ValueError, match=f"'snapkvv'.*{valid}"):
         get_evictor("snapkvv")
 

@@ -19,7 +19,7 @@ import tiny_model as tm  # noqa: E402
 from page_local.engine.engine import Engine  # noqa: E402
 from page_local.evictors import get_evictor  # noqa: E402
 from page_local.evictors.base import EvictionInput  # noqa: E402
-from page_local.engine.lookahead import run_lookahead  # noqa: E402
+from page_local.engine.lookahead import run_lookahead, score_answer  # noqa: E402
 from page_local.evictors.lorekv import LookaheadSpec  # noqa: E402
 from page_local.native.pageops import InvalidArgument, ProbeError  # noqa: E402
 from page_local.engine.outproj import context_out_proj_factors, head_factor, out_proj_factors  # noqa: E402
@@ -123,6 +123,27 @@ def test_costs_of_futures_that_share_the_prompt(tiny):
             want = reference_costs(tiny, ref, [PREFIX + t], np.arange(PREFIX), "wo")[:, 0, :]
             err = np.abs(got[t][:, i, :] - want).max() / np.abs(want).max()
             assert err <= _bound(tiny), f"step {t}, future {i}: relative error {err:.2e}"
+
+
+def test_an_answer_scores_the_prompt_as_its_reference_says(tiny):
+    """lorekv-answer's scoring: the answer decoded in a copy of the prompt, in batches of n_ubatch, gives
+    the prompt's deletion costs under the answer's queries, averaged over them, as the float64 reference
+    of prompt + answer; the copy is gone afterwards and the prompt untouched."""
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(tm.N_SPECIAL, tiny.n_vocab, size=PREFIX).tolist()
+    answer = rng.integers(tm.N_SPECIAL, tiny.n_vocab, size=10).tolist()
+    ref = tm.reference_forward(tiny, prompt + answer)
+    want = reference_costs(tiny, ref, range(PREFIX, PREFIX + 10), np.arange(PREFIX), "wo").mean(axis=1)
+    with Model(tiny.path) as model, Context(model, ContextConfig(
+            n_ctx=1024, n_batch=4, n_ubatch=4, n_seq_max=2, threads=THREADS, flash_attn="off", type_kv="f32")) as ctx:
+        ctx.decode(prompt, 0, logits="none")
+        la = score_answer(ctx, 0, PREFIX - 1, answer, out_proj_factors(tiny.path, "wo"), work=1)
+        assert ctx.seq_pos_max(1) == -1 and ctx.page.positions(0).tolist() == list(range(PREFIX))
+    assert la.positions.tolist() == list(range(PREFIX)) and la.n_fed.tolist() == [10] and la.tokens == [answer]
+    assert la.cost.shape == (1, tiny.n_layer, PREFIX)
+    for il in range(tiny.n_layer):
+        err = np.abs(la.cost[0, il] - want[il]).max() / np.abs(want[il]).max()
+        assert err <= _bound(tiny), f"layer {il}: relative error {err:.2e}"
 
 
 def test_out_proj_factors_preserve_the_projected_norm(smollm2, make_ctx, smollm2_path):
@@ -301,3 +322,41 @@ def test_run_with_lorekv_from_the_cli(cli):
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)["decision"]
     assert d["evictor"] == "lorekv" and d["evicted"] and d["lookahead_ms"] > 0 and d["kept"] == d["B"]
+
+
+# --- lorekv-answer: the full cache's answer is the one future ------------------------------------------
+
+def test_lorekv_answer_is_searched_on_the_answer_it_was_scored_by(engine):
+    """Under search the keep sets are chosen at the check, from the answer's queries; the user reads the
+    full cache's answer, nothing is left in the other sequences, and the decision says what it cost."""
+    engine.set_gate("never")
+    full = engine.generate(NEEDLE, max_tokens=12).tokens
+    engine.set_gate("search")
+    engine.set_evictor("lorekv-answer")
+    try:
+        r = engine.generate(NEEDLE, max_tokens=12)
+    finally:
+        engine.set_evictor("lorekv", futures=2, tokens=8)
+    d = r.decision
+    assert r.tokens == full
+    assert d.evictor == "lorekv-answer" and d.lookahead_ms > 0 and len(d.search) == 4
+    assert d.evicted and d.kept == d.B == next(x["B"] for x in d.search if x["passed"])
+    assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))
+
+
+def test_lorekv_answer_needs_a_gate_that_has_the_answer(engine, cli):
+    engine.set_gate("always")
+    with pytest.raises(ValueError, match="only the verify and search gates"):
+        engine.set_evictor("lorekv-answer")
+    engine.set_gate("verify")
+    engine.set_evictor("lorekv-answer")
+    try:
+        with pytest.raises(ValueError, match="only the verify and search gates"):
+            engine.set_gate("page")
+        assert engine.gate_mode == "verify"  # a refused change changes nothing
+    finally:
+        engine.set_evictor("lorekv", futures=2, tokens=8)
+    res = cli("run", "--prompt", "The sky is blue. " * 8, "--gate", "always", "--evictor", "lorekv-answer",
+              "--max-tokens", "2", "--threads", "1", "--n-ctx", "256")
+    assert res.exit_code != 0 and "only the verify and search gates" in res.output
+    assert "Traceback" not in res.output

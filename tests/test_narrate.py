@@ -149,3 +149,7 @@ def test_budget_search_is_told_by_its_rungs():
                        verify_m=9, verify_rule="argmax", verify_score=2.0, verify_threshold=0.0,
                        search=[dict(r, passed=False) for r in rungs])
     assert narrate.status(refused).startswith("search refused every budget (1/16, 1/8, 1/4 failed)")
+    smallest_first = decision(T=640, B=80, kept=80, open=True, evicted=True, gate_mode="search", rule="forced",
+                              verify_m=9, verify_rule="argmax", verify_score=0.0, verify_threshold=0.0,
+                              search=rungs[:2] + [dict(rungs[2], score=None, passed=None)])
+    assert narrate.status(smallest_first) == "kept 1/8: 80 of 640 (passed 1/8; 1/16 failed; 1/4 not needed)"

@@ -295,6 +295,16 @@ def test_per_request_settings_do_not_stick(client, http):
     assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == "snapkv"
     # the server's default budget is chat's: no eviction for speed, only room on demand
     assert ext(r)["settings"]["budget"] == defaults.CHAT_BUDGET == 1.0
+    # gate and evictor are set together: lorekv-answer needs a gate that has the answer before evicting
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0,
+                                       extra_body={"page_local": {"gate": "search", "evictor": "lorekv-answer"}})
+    assert ext(r)["settings"]["evictor"] == "lorekv-answer" and ext(r)["settings"]["gate"] == "search"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0,
+                                       extra_body={"page_local": {"evictor": "lorekv-answer"}})
+    assert "page_local.evictor" in str(e.value) and "only the verify and search gates" in str(e.value)
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0)
+    assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == "snapkv"
 
 
 def test_sampling_fields(client):

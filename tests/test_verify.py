@@ -158,12 +158,34 @@ def test_search_commits_the_smallest_budget_that_passes_and_agrees_with_verify(e
         engine.set_gate("never")
         engine.set_budget(0.25)
     d = r.decision
-    assert [x["passed"] for x in d.search] == alone
-    assert [x["B"] for x in d.search] == sorted(x["B"] for x in d.search)
     first = alone.index(True)
+    # smallest first: the rungs below the first that passes failed (as verify said), the ones above were
+    # not needed
+    assert [x["passed"] for x in d.search] == alone[: first + 1] + [None] * (len(ladder) - first - 1)
+    assert [x["B"] for x in d.search] == sorted(x["B"] for x in d.search)
     assert d.evicted and d.B == d.search[first]["B"] == d.kept
+    # a failed rung stopped where it failed; the chosen one decoded the whole answer (+ the prompt's last token)
+    assert d.search[first]["forced"] == d.verify_m + 1
+    assert all(0 < x["forced"] <= d.verify_m + 1 for x in d.search[:first])
+    assert d.verify_forced == sum(x["forced"] for x in d.search[: first + 1])
     assert r.tokens == full_run[0][: len(r.tokens)]
     assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))  # no candidate left behind
+
+
+def test_a_failing_candidate_stops_where_it_fails(engine, full_run):
+    """The check decodes growing chunks (4, 8, 16, ...) and stops at the first chunk with a changed top
+    token; the verdict is the one the whole span gives (the argmax rule is monotone in the span)."""
+    engine.set_gate("verify")
+    engine.set_budget(40)  # the needle is lost: the answer's first digits change
+    engine.set_verify()
+    try:
+        d = engine.generate(NEEDLE, max_tokens=VERIFY_CAP).decision
+    finally:
+        engine.set_gate("never")
+        engine.set_budget(0.25)
+    assert not d.evicted and d.verify_changed >= 1
+    assert d.verify_forced in (4, 12, 28) and d.verify_forced < d.verify_m + 1
+    assert f"within the first {d.verify_forced} tokens" in d.reason
 
 
 def test_bad_ladders_are_refused(engine):

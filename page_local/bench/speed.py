@@ -179,40 +179,80 @@ def _needle_prompt(model, tokens: int) -> str:
     return build(n_lines)
 
 
+SEARCH_TASKS = ("niah_single_2", "niah_multikey_3", "niah_multivalue", "niah_multivalue_essay", "niah_multiquery_essay")
+
+
+def _task_prompts(model, tokens: int, per_task: int) -> list[list[int]]:
+    """per_task generated prompts of each SEARCH_TASKS family at about `tokens` tokens, rendered as the
+    evaluation renders them (the model's chat template, or plain text for a base model without one)."""
+    from page_local.chat.prompts import ChatPrompter
+    from page_local.tasks.synthetic import generate
+
+    try:
+        prompter = ChatPrompter(model)
+    except ValueError:
+        prompter = ChatPrompter(model, plain=True)
+    out = []
+    for task in SEARCH_TASKS:
+        for sample in generate(task, per_task, tokens - prompter.overhead, prompter.count_tokens, seed=7):
+            out.append(prompter.prompt(sample).tokens)
+    return out
+
+
 def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP, repeats: int = 3,
                 threads: int = 2, prompt: str = "needle", n_gpu_layers: int | str | None = None,
-                ladder: tuple | None = None) -> dict:
-    """Cost of self-verified eviction (the engine's check, scored by verify.verify_score): the extra batch
-    decode of the answer (up to its end or m tokens; `m_checked` says how many) over the evicted copy,
-    as a fraction of the prefill, on a prompt of about `tokens` tokens (median of repeats): "needle"
-    (a short answer: the check ends with it) or "random" (random token ids: the answer runs to m).
-    The threshold is set permissively so that the check always runs to completion. ladder: measure
-    gate "search" instead, every rung checked in one batch (the cost of the whole ladder)."""
+                ladder: tuple | None = None, evictor: str = "snapkv") -> dict:
+    """Cost of self-verified eviction (the engine's check, engine/turn.py check_ladder): the decode of the
+    answer (up to its end or m tokens) over the evicted copies, as a fraction of the prefill, on prompts
+    of about `tokens` tokens (median over the runs). ladder: gate "search" (the rungs smallest first)
+    instead of verify at `budget`. evictor: lorekv-answer adds its scoring of the prompt by the answer
+    (one more batch), counted in the check.
+
+    prompt "needle" / "random" (one prompt, `repeats` runs; a short answer, or random token ids whose
+    answer runs to m): the threshold is set so that every check passes, so verify checks its whole
+    answer and search only its smallest rung (the best case). prompt "tasks": `repeats` generated
+    prompts of each of the five budget-search families, decided by the default rule as in use: a
+    candidate that fails stops where it fails, and search goes on to the next rung."""
     from page_local.engine.engine import Engine
 
-    if prompt not in ("needle", "random"):
-        raise ValueError(f"prompt must be 'needle' or 'random', got {prompt!r}")
-    ratios, verify_ms, prefill_ms, checked = [], [], [], []
+    if prompt not in ("needle", "random", "tasks"):
+        raise ValueError(f"prompt must be 'needle', 'random' or 'tasks', got {prompt!r}")
+    ratios, verify_ms, prefill_ms, checked, forced, comp, Ts = [], [], [], [], [], [], []
     rungs = len(ladder) if ladder else 1
     with Engine(model_path, n_ctx=tokens + rungs * (m + 1) + 256, budget=budget,
-                gate="search" if ladder else "verify", ladder=ladder or (budget,), threads=threads,
-                verify_tokens=m, verify_threshold=1e9, n_gpu_layers=n_gpu_layers, allow_long_context=True) as eng:
-        prompt = (_needle_prompt(eng.model, tokens) if prompt == "needle" else
-                  np.random.default_rng(0).integers(100, 4000, size=tokens).tolist())
-        for _ in range(repeats):
-            d = eng.generate(prompt, max_tokens=m + 1).decision
+                gate="search" if ladder else "verify", ladder=ladder or (budget,), threads=threads, evictor=evictor,
+                verify_tokens=m, verify_threshold=None if prompt == "tasks" else 1e9, n_gpu_layers=n_gpu_layers,
+                allow_long_context=True) as eng:
+        if prompt == "tasks":
+            prompts = _task_prompts(eng.model, tokens, repeats)
+        else:
+            one = (_needle_prompt(eng.model, tokens) if prompt == "needle" else
+                   np.random.default_rng(0).integers(100, 4000, size=tokens).tolist())
+            prompts = [one] * repeats
+        for p in prompts:
+            eng.reset()
+            d = eng.generate(p, max_tokens=m + 1).decision
             if d.verify_ms is None:
+                if prompt == "tasks":
+                    continue  # the model ended its answer at once: nothing to check
                 raise BenchError("self-verification did not run: the model ended its answer at once; use --prompt random")
             verify_ms.append(d.verify_ms)
             prefill_ms.append(d.prefill_ms)
             checked.append(d.verify_m)
+            forced.append(d.verify_forced)
+            comp.append(d.compression)
+            Ts.append(d.T)
             ratios.append(d.verify_ms / d.prefill_ms)
+        if not ratios:
+            raise BenchError("self-verification never ran: every answer ended at once")
         device = eng.placement
-    return {"bench": "verify", "tokens": d.T, "m": m, "m_checked": int(statistics.median(checked)),
-            "ladder": list(ladder) if ladder else None, "candidates": rungs,
-            "rule": d.verify_rule, "budget": budget, "threads": threads, "repeats": repeats,
+    return {"bench": "verify", "prompt": prompt, "tokens": int(statistics.median(Ts)), "m": m, "m_checked": int(statistics.median(checked)),
+            "ladder": list(ladder) if ladder else None, "candidates": rungs, "evictor": evictor,
+            "rule": d.verify_rule, "budget": budget, "threads": threads, "runs": len(ratios),
             "verify_ms": round(statistics.median(verify_ms), 2), "prefill_ms": round(statistics.median(prefill_ms), 1),
-            "ratio": round(statistics.median(ratios), 4), "target_ratio": 0.05, "device": device}
+            "forced_mean": round(statistics.fmean(forced), 1), "compression_mean": round(statistics.fmean(comp), 3),
+            "ratio": round(statistics.median(ratios), 4), "ratio_mean": round(statistics.fmean(ratios), 4),
+            "ratio_max": round(max(ratios), 4), "target_ratio": 0.05, "device": device}
 
 
 def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 4, lookahead_tokens: int = 32,

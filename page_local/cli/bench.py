@@ -86,24 +86,29 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_laye
 @click.option("--m", "m", default=VERIFY_CAP, show_default=True, type=click.IntRange(1, 256),
               help="verify's cap: the answer is checked up to its end or this many tokens.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
-@click.option("--prompt", "prompt", default="needle", show_default=True, type=click.Choice(["needle", "random"]),
-              help="needle: a short answer (the check ends with it); random: random tokens, the check runs to --m.")
+@click.option("--prompt", "prompt", default="needle", show_default=True, type=click.Choice(["needle", "random", "tasks"]),
+              help="needle: a short answer (the check ends with it); random: random tokens, the check runs to --m "
+                   "(both: every check passes); tasks: --repeats prompts of each budget-search task family, decided "
+                   "as in use.")
 @click.option("--ladder", default=None, type=LadderType(),
               help="measure gate 'search': every budget of this ladder checked in one batch (e.g. 1/16,1/8,1/4,1/2)")
+@click.option("--evictor", default="snapkv", show_default=True, type=click.Choice(["snapkv", "lorekv-answer"]),
+              help="lorekv-answer: the check also scores the prompt by the answer (one more batch)")
 @threads_option
 @n_gpu_layers_option
 @json_option()
-def bench_verify(model, tokens, m, repeats, prompt, ladder, threads, n_gpu_layers, as_json):
+def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, threads, n_gpu_layers, as_json):
     """Self-verification's extra decode as a fraction of the prefill (target <= 0.05); with --ladder, budget
     search's (every rung at once)."""
     from page_local.bench.speed import verify_cost
 
     path = resolve_model(model)
     _bench(as_json, lambda: verify_cost(path, tokens=tokens, m=m, repeats=repeats, threads=threads,
-                                        prompt=prompt, n_gpu_layers=n_gpu_layers, ladder=ladder),
-           lambda r: f"{r['tokens']}-token prompt: verification of {r['m_checked']} tokens on {r['candidates']} "
-                     f"candidate(s) {r['verify_ms']:.1f} ms, "
-                     f"prefill {r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {repeats})")
+                                        prompt=prompt, n_gpu_layers=n_gpu_layers, ladder=ladder, evictor=evictor),
+           lambda r: f"{r['tokens']}-token prompt ({r['prompt']}): the check of {r['m_checked']} answer tokens on "
+                     f"{r['candidates']} candidate(s) decoded {r['forced_mean']:.0f} tokens in {r['verify_ms']:.1f} ms, "
+                     f"prefill {r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {r['runs']} runs; "
+                     f"mean {r['ratio_mean']:.4f}, max {r['ratio_max']:.4f})")
 
 
 @bench_group.command("lorekv")

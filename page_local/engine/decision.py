@@ -39,9 +39,12 @@ class Decision:
     verify_top1: float | None = None  # fraction of positions the evicted cache ranks the same token first
     verify_kl_first: float | None = None  # KL(p_full || p_evicted) of the first generated token
     verify_ms: float | None = None  # the extra batch decode and the comparison
+    verify_forced: int | None = None  # tokens decoded on candidates (a failing one stops where it fails)
     lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms)
     gate_note: str | None = None  # a calibrated gate used far outside its pilot's prompt lengths
-    search: list[dict] | None = None  # gate "search": every rung tried {B, label, score, passed}, smallest first
+    # gate "search": every rung {B, label, score, passed, forced}, smallest first; passed None: not tried
+    # (a smaller rung passed); forced: the tokens decoded on it before it passed or failed
+    search: list[dict] | None = None
     # room on demand (engine/room.py): the turn did not fit and earlier cells were evicted, unchecked
     room_evicted: int = 0  # cells of earlier turns evicted to make room (before the prompt and while answering)
     room_from: tuple[int, int] | None = None  # the lowest and highest position evicted to make room

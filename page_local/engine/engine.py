@@ -36,7 +36,7 @@ import numpy as np
 from page_local import defaults
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.room import ContextPolicy, check_on_full
-from page_local.engine.turn import N_SINK, W, Pipeline, supported
+from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, Pipeline, supported
 from page_local.errors import ContextFull, EngineBusy, StateFileError
 from page_local.evictors import get_evictor
 from page_local.evictors.base import resolve_budget
@@ -100,6 +100,7 @@ class Engine(ContextPolicy):
         self.set_ladder(ladder)
         self._evictor = supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = check_gate_mode(gate)  # validates the mode before loading anything
+        check_pair(self._evictor, self.gate_mode)
         # n_gpu_layers: a count, 'all', or None = $PAGE_LOCAL_N_GPU_LAYERS, else all on a GPU build, else 0
         # (Model validates it before loading anything)
         self.seed = seed
@@ -142,11 +143,24 @@ class Engine(ContextPolicy):
         self.ladder = rungs
 
     def set_evictor(self, name: str, **options) -> None:
-        self._evictor = supported(get_evictor(name, **options))
+        ev = supported(get_evictor(name, **options))
+        check_pair(ev, self.gate_mode)
+        self._evictor = ev
 
     def set_gate(self, mode: str) -> None:
-        """page | always | never | verify | page+verify (see GATE_MODES)."""
-        self.gate_mode = check_gate_mode(mode)
+        """page | always | never | verify | page+verify | search | page+search (see GATE_MODES)."""
+        mode = check_gate_mode(mode)
+        check_pair(self._evictor, mode)
+        self.gate_mode = mode
+        self.gate = Gate(BASE_MODE[mode], self.gate.profile)
+
+    def set_gate_and_evictor(self, mode: str, evictor: str) -> None:
+        """Both at once, the pair checked as it will be (an evictor that reads the answer needs a verify
+        gate): for callers that change both and must not fail on the order."""
+        mode = check_gate_mode(mode)
+        ev = self._evictor if evictor == self.evictor else supported(get_evictor(evictor))
+        check_pair(ev, mode)
+        self._evictor, self.gate_mode = ev, mode
         self.gate = Gate(BASE_MODE[mode], self.gate.profile)
 
     def set_verify(self, tokens: int = VERIFY_CAP, threshold: float | None = None, rule: str = VERIFY_RULE) -> None:
@@ -317,9 +331,8 @@ class Engine(ContextPolicy):
         ctx = self.ctx
         # room kept for the answer when room is made; the verify modes also need the candidate's copy of it
         reserve = min(max_tokens, max(1, ctx.n_ctx // 4))
-        if self.gate_mode in VERIFY_MODES:
-            copies = len(self.ladder) if self.gate_mode in SEARCH_MODES else 1
-            reserve += copies * (min(max_tokens, self.verify_tokens) + 1)
+        if self.gate_mode in VERIFY_MODES:  # one candidate at a time (search too: smallest first)
+            reserve += min(max_tokens, self.verify_tokens) + 1
         dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
         stream.decision = dec
 
@@ -381,53 +394,53 @@ class Engine(ContextPolicy):
     def _verify(self, dec: Decision, plan: tuple, out: list[int], full_logits: list[np.ndarray],
                 end: int | None = None, until: str = "end") -> None:
         """Self-verified eviction: teacher-force the generated tokens on evicted copies of the sequence
-        (seq 1.., sharing the prompt's cells) in one batch and score them (Pipeline.verify_span); commit
-        the smallest copy that passes (one copy under verify, one per ladder rung under search). end:
+        (seq 1.., sharing the prompt's cells), smallest first and in growing chunks that stop where a copy
+        fails (Pipeline.check_ladder, scored by Pipeline.verify_span); commit the first copy that passes
+        (one copy under verify, one per ladder rung under search). end:
         the end-of-generation token the full cache chose after out (then full_logits has one more
         entry, and the candidate must end the answer there too). Updates dec."""
         ctx, pipe = self.ctx, self.pipeline
-        keeps, held, last_pos, last_tok = plan  # keeps: [(B, keep)], smallest B first
+        keeps, held, last_pos, last_tok = plan  # keeps: [(B, keep)], smallest B first, or a function of the answer
         m = len(out)
         t0 = time.perf_counter()
         dec.verify_threshold, dec.verify_rule = self.verify_threshold, self.verify_rule
-        if self.cells_used() + len(keeps) * (m + 1) > ctx.n_ctx:
+        if self.cells_used() + m + 1 > ctx.n_ctx:  # one candidate at a time holds a copy of the answer
             dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
             return
+        if callable(keeps):  # keep sets scored by this answer (lorekv-answer): chosen now
+            keeps = keeps(out)
+            dec.lookahead_ms = keeps.lookahead_ms
         y = list(out) + ([end] if end is not None else [])
         k = len(y)  # positions: m answer tokens (+ the answer's end)
-        if len(keeps) == 1:
-            all_logits = [pipe.candidate(keeps[0][1], held, last_pos, [last_tok] + out, src=0, dst=1, logits="all")[1]]
-        else:
-            all_logits = pipe.candidates([keep for _, keep in keeps], held, last_pos, [last_tok] + out)
         full_logits = full_logits[:k]
         lp_full = [logp(lg, t) for lg, t in zip(full_logits, y)]
         top_full = [top_token(lg, self.model.is_eog) for lg in full_logits]
-        scored = [pipe.verify_span(lp_full, lg[:k], y, top_full, self.verify_rule, self.verify_threshold)
-                  for lg in all_logits]
-        chosen = next((i for i, (v, _, _) in enumerate(scored) if v.passed), None)
+
+        def judge(logits):  # the rule over the positions decoded so far
+            j = min(len(logits), k)
+            return pipe.verify_span(lp_full[:j], logits[:j], y[:j], top_full[:j], self.verify_rule, self.verify_threshold)
+
+        chosen, tried = pipe.check_ladder([keep for _, keep in keeps], held, last_pos, [last_tok] + out, judge)
         if len(keeps) > 1:
-            dec.search = [dict(B=B, label=label, score=v.score, passed=v.passed)
-                          for (B, _), label, (v, _, _) in zip(keeps, plan_labels(keeps, self.ladder, dec.T), scored)]
+            labels = plan_labels(keeps, self.ladder, dec.T)
+            dec.search = [dict(B=B, label=label, score=None, passed=None) if t is None else
+                          dict(B=B, label=label, score=t[0][0].score, passed=t[0][0].passed, forced=t[2])
+                          for (B, _), label, t in zip(keeps, labels, tried)]
         i = chosen if chosen is not None else len(keeps) - 1  # the verdict told: the chosen or the largest rung
-        v, _, changed = scored[i]
-        ev_logits = all_logits[i][:k]
+        (v, _, changed), ev_logits, _ = tried[i]
+        dec.verify_forced = sum(t[2] for t in tried if t is not None)
         dec.B = keeps[i][0]
         commit = chosen is not None
         if commit:  # the candidate already holds the m tokens: it becomes the sequence
             ctx.seq_rm(0, -1, -1)
             ctx.seq_cp(1 + i, 0)
-            for j in range(len(keeps)):
-                ctx.seq_rm(1 + j, -1, -1)
-            # the last output of the batch above is the evicted cache's next-token distribution;
-            # compaction would rewrite the cells and lose it, so re-decode the newest token after it
+            ctx.seq_rm(1 + i, -1, -1)
+            p = ctx.seq_pos_max(0)
+            ctx.seq_rm(0, p, p + 1)  # the newest token again, so that the next one is sampled from this cache
             if self.compact:
-                p = ctx.seq_pos_max(0)
-                ctx.seq_rm(0, p, p + 1)
                 ctx.page.compact(0)
-                ctx.decode([out[-1]], p, 0)
-        else:
-            for j in range(len(keeps)):
-                ctx.seq_rm(1 + j, -1, -1)
+            ctx.decode([out[-1]], p, 0)
+        else:  # every candidate is gone already (check_ladder removes those that fail)
             p = ctx.seq_pos_max(0)  # restore seq 0's next-token logits
             ctx.seq_rm(0, p, p + 1)
             ctx.decode([out[-1]], p, 0)
@@ -441,11 +454,13 @@ class Engine(ContextPolicy):
         span = {"end": f"the whole answer ({m} tokens and its end)", "cap": f"the first {m} tokens (the cap)",
                 "length": f"all {m} tokens generated"}[until]
         if dec.search:
-            tried = ", ".join(f"{r['label']} {'passed' if r['passed'] else 'failed'}" for r in dec.search)
-            dec.reason += (f"; budget search over {span} ({tried}): "
+            tried = ", ".join(f"{r['label']} " + {True: "passed", False: f"failed within {r.get('forced')} tokens",
+                                                    None: "not needed"}[r["passed"]] for r in dec.search)
+            dec.reason += (f"; budget search over {span}, smallest first ({tried}): "
                            + (f"committed the smallest that passed, B = {dec.B}" if commit else "kept the full cache"))
         else:
-            dec.reason += (f"; self-verification over {span}: {v.describe()}, "
+            stop = "" if commit or dec.verify_forced >= m + 1 else f" within the first {dec.verify_forced} tokens"
+            dec.reason += (f"; self-verification over {span}: {v.describe()}{stop}, "
                            + ("eviction committed" if commit else "kept the full cache"))
 
     def _prefill_and_gate(self, toks: list[int], evict_now: bool = True,
@@ -488,6 +503,11 @@ class Engine(ContextPolicy):
             if self.gate_mode in SEARCH_MODES:  # one keep set per rung, smallest first, from one probe
                 rungs = sorted({resolve_budget(r, T, W, N_SINK) for r in self.ladder})
                 rungs = [b for b in rungs if b < pre.T] or [B]
+            else:
+                rungs = [B]
+            if ev.needs & AFTER_ANSWER:  # the keep sets wait for the full cache's answer (_verify)
+                plan = (_AfterAnswer(pipe, ev, pre, rungs, last_pos, signals, self.seed), pre.held, last_pos, last_tok)
+            elif self.gate_mode in SEARCH_MODES:
                 plan = ([(b, pipe.select(ev, pre, b, signals, self.seed)) for b in rungs], pre.held, last_pos, last_tok)
             else:
                 keep = pipe.select(ev, pre, B, signals, self.seed)
@@ -541,6 +561,37 @@ class Engine(ContextPolicy):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Keeps(list):
+    """[(B, keep)] chosen at the check, with the milliseconds the answer's scoring took."""
+
+    lookahead_ms: float = 0.0
+
+
+class _AfterAnswer:
+    """The keep sets of an evictor that reads the full cache's answer (evictor lorekv-answer): called
+    with the answer tokens at the check, it scores the prompt by their queries (one batch in sequence 1,
+    emptied again) and selects one keep set per budget, smallest first."""
+
+    def __init__(self, pipe: Pipeline, ev, pre, budgets: list[int], last_pos: int, signals: dict, seed: int):
+        self.pipe, self.ev, self.pre, self.budgets = pipe, ev, pre, budgets
+        self.last_pos, self.signals, self.seed = last_pos, signals, seed
+
+    def __call__(self, answer: list[int]) -> _Keeps:
+        la = self.pipe.answer_lookahead(self.ev.spec, answer, self.last_pos, seq=0, work=1)
+        sig = dict(self.signals, answer_lookahead=la)
+        out = _Keeps((b, self.pipe.select(self.ev, self.pre, b, sig, self.seed)) for b in self.budgets)
+        out.lookahead_ms = la.ms
+        return out
+
+
+def check_pair(evictor, gate_mode: str) -> None:
+    """Refuse an evictor that reads the answer under a gate that evicts before there is one."""
+    if evictor.needs & AFTER_ANSWER and gate_mode not in VERIFY_MODES:
+        raise ValueError(f"evictor {evictor.name!r} scores the prompt by the full cache's answer, which only the "
+                         f"verify and search gates decode before evicting (gate is {gate_mode!r}); use gate "
+                         "verify, search, page+verify or page+search, or evictor lorekv")
 
 
 def plan_labels(keeps, ladder, T: int) -> list[str]:

@@ -115,3 +115,44 @@ def run_lookahead(ctx, seq: int, last_logits: np.ndarray, spec: LookaheadSpec, o
     return Lookahead(positions=positions, cost=cost / fed, n_fed=n_fed,
                      logprob=lp_sum / np.maximum(n_sampled, 1), entropy=ent_sum / np.maximum(n_sampled, 1),
                      tokens=toks, ms=(time.perf_counter() - t0) * 1e3, note=note)
+
+
+def score_answer(ctx, seq: int, last_pos: int, answer, out_proj: np.ndarray, work: int) -> Lookahead:
+    """LORE-KV's deletion cost under the queries of a known continuation: the full cache's own answer,
+    which the verify and search gates decode before anything is evicted (evictor lorekv-answer).
+
+    `work` becomes a copy of seq's positions up to last_pos (cells shared, nothing copied), the answer is
+    decoded there in batches of at most n_ubatch tokens with the cost probe armed, and work is emptied
+    again. One future, greedy and real, instead of S sampled ones: the check forces these very tokens
+    on every candidate. Only positions <= last_pos (the prompt) are scored."""
+    t0 = time.perf_counter()
+    page = ctx.page
+    answer = [int(t) for t in answer]
+    if not answer:
+        raise ValueError("internal: no answer tokens to score the prompt with")
+    page.set_out_proj(out_proj)
+    ctx.seq_rm(work, -1, -1)
+    ctx.seq_cp(seq, work, -1, last_pos + 1)
+    total, positions = None, None
+    try:
+        step = ctx.n_ubatch
+        for s in range(0, len(answer), step):
+            chunk = answer[s: s + step]
+            page.arm_cost_probe(work)
+            ctx.decode(chunk, last_pos + 1 + s, work, logits="none")
+            got_pos, _, c = page.read_costs()  # (n_layer, n_chunk, n_pos) over work's positions
+            keep = got_pos <= last_pos
+            part = c[:, :, keep].astype(np.float64).sum(axis=1)
+            if total is None:
+                positions, total = got_pos[keep], part
+            elif not np.array_equal(got_pos[keep], positions):
+                raise RuntimeError("internal: the scored prompt changed while its answer was decoded")
+            else:
+                total += part
+    finally:
+        page.disarm_probe()
+        ctx.seq_rm(work, -1, -1)
+    m = len(answer)
+    return Lookahead(positions=positions, cost=(total / m)[None], n_fed=np.array([m], dtype=np.int32),
+                     logprob=np.zeros(1), entropy=np.zeros(1), tokens=[answer],
+                     ms=(time.perf_counter() - t0) * 1e3, note="scored by the full cache's answer")

@@ -93,9 +93,11 @@ def _turn_status(d: Decision) -> str:
     full = f"full cache of {d.T} kept" if d.kept >= d.T else f"nothing evicted this turn ({d.kept} of {d.T} held)"
     if d.search:
         passed = [r["label"] for r in d.search if r["passed"]]
-        failed = [r["label"] for r in d.search if not r["passed"]]
+        failed = [r["label"] for r in d.search if r["passed"] is False]
+        skipped = [r["label"] for r in d.search if r["passed"] is None]
         tried = "; ".join(x for x in (f"passed {', '.join(passed)}" if passed else "",
-                                      f"{', '.join(failed)} failed" if failed else "") if x)
+                                      f"{', '.join(failed)} failed" if failed else "",
+                                      f"{', '.join(skipped)} not needed" if skipped else "") if x)
         if d.evicted:
             chosen = next(r["label"] for r in d.search if r["B"] == d.B)
             return f"kept {chosen}: {d.kept} of {d.T} ({tried})"

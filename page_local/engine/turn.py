@@ -4,13 +4,16 @@ benchmarks all run these (docs/design.md §5, "One turn through the engine").
     prefill   decode prompt[:-W]; arm the probe; decode prompt[-W:] as one batch; read the probe
     signal    D and per-layer agreement (signal.py) from the probe
     signals   what the evictor needs beyond the probe: the last token's query, key norms, the
-              prefill's accumulated attention (H2O), LORE-KV's lookahead
+              prefill's accumulated attention (H2O), LORE-KV's lookahead (sampled futures; or, for
+              lorekv-answer, the full cache's answer itself, scored at the check)
     select    the evictor's keep set at budget B
     evict     in place (the sequence itself: evict, compact, re-decode the last prompt token) or into a
               candidate sequence that shares the prompt's cells (seq_cp, evict, decode from the last
               prompt token on), which self-verification and the evaluation score before anything is
               committed
     teacher_force / greedy / verify_span   the candidate's outputs on given tokens and the check
+    check_ladder   the check over one candidate or a ladder of them, smallest first, in growing chunks
+              that stop where a candidate fails
 
 A Pipeline is bound to one Context and Model; it keeps nothing between turns but the output
 projection factors LORE-KV reuses.
@@ -30,10 +33,17 @@ from page_local.verify import VERIFY_RULE, logp, top_token, verify_score
 
 W = 32  # the probe window: the prompt's last W tokens are decoded as one batch with the probe armed
 TOP_K = 32  # per-head top-k the probe keeps for every query
+# The check's first chunk of forced tokens; each later chunk doubles (Pipeline.check_ladder). A failing
+# candidate stops at the chunk where it fails: on the committed search rows this forces 48-67 tokens per
+# input over the whole ladder, against 160-256 for every rung in full (docs/results.md, "Budget search").
+FIRST_CHUNK = 4
 N_SINK = 4  # attention sinks every evictor keeps
 # Signals Pipeline.signals provides (evictors.base.NEEDS lists every known one). An evictor needing
 # anything else is refused when it is chosen, not mid-turn on the turns where the gate opens.
-PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead"})
+PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead"})
+# Signals that exist only once the full cache has answered: the keep set is chosen at the check (the
+# verify and search gates), not after the prefill
+AFTER_ANSWER = frozenset({"answer_lookahead"})
 
 
 def supported(evictor):
@@ -151,13 +161,23 @@ class Pipeline:
         futures are gone afterwards (the context's logits are theirs: see signals(restore_logits))."""
         from page_local.engine.lookahead import run_lookahead
 
-        if spec.projection not in self._out_proj:
+        return run_lookahead(self.ctx, seq, last_logits, spec, self._proj(spec.projection), self.model.is_eog)
+
+    def answer_lookahead(self, spec, answer: Sequence[int], last_pos: int, seq: int = 0, work: int = 1):
+        """The prompt of seq (positions <= last_pos) scored by the queries of `answer`, the full cache's own
+        continuation (engine/lookahead.py score_answer); sequence `work` is used and emptied."""
+        from page_local.engine.lookahead import score_answer
+
+        return score_answer(self.ctx, seq, last_pos, answer, self._proj(spec.projection), work)
+
+    def _proj(self, projection: str) -> np.ndarray:
+        if projection not in self._out_proj:
             from page_local.engine.outproj import context_out_proj_factors
 
             m = self.model
-            self._out_proj[spec.projection] = context_out_proj_factors(
-                self.ctx, m.n_layer, m.n_head, m.n_embd, spec.projection, path=m.path)
-        return run_lookahead(self.ctx, seq, last_logits, spec, self._out_proj[spec.projection], self.model.is_eog)
+            self._out_proj[projection] = context_out_proj_factors(
+                self.ctx, m.n_layer, m.n_head, m.n_embd, projection, path=m.path)
+        return self._out_proj[projection]
 
     @staticmethod
     def select(evictor, pre: Prefilled, B: int, signals: dict, seed: int) -> np.ndarray:
@@ -196,29 +216,36 @@ class Pipeline:
             ctx.page.evict(dst, drop)
         return int(drop.size), self.decode(tokens, last_pos, dst, logits=logits)
 
-    def candidates(self, keeps: Sequence[np.ndarray], held: np.ndarray, last_pos: int, tokens: Sequence[int],
-                   src: int = 0) -> list[list[np.ndarray]]:
-        """Several evicted candidates at once (budget search): candidate i in sequence 1 + i is src minus
-        what keeps[i] does not hold (as candidate()), and the same tokens are decoded on all of them in
-        one batch (several when they pass n_batch). Returns each candidate's logits for every token."""
+    def check_ladder(self, keeps: Sequence[np.ndarray], held: np.ndarray, last_pos: int, tokens: Sequence[int],
+                     judge, src: int = 0, first_chunk: int = FIRST_CHUNK) -> tuple[int | None, list]:
+        """Self-verification over candidates, smallest first (keeps[i]: candidate i's keep set, in sequence
+        1 + i, built as candidate() builds it). tokens (the last prompt token, then the answer) are decoded
+        on a candidate in chunks of first_chunk, twice that, four times..., and judge(logits so far) ->
+        (VerifyScore, ...) scores it after each chunk. The rules are monotone in the span, so a candidate
+        that fails a prefix fails the whole: it stops there and is removed; the first candidate that passes
+        every token is the answer and is left in its sequence. Returns (its index or None, per candidate
+        None (not tried: a smaller one passed) or (judge's verdict, the logits decoded, tokens forced))."""
         ctx = self.ctx
-        dsts = [1 + i for i in range(len(keeps))]
-        for keep, dst in zip(keeps, dsts):
-            ctx.seq_cp(src, dst, -1, last_pos)
+        tried: list = [None] * len(keeps)
+        for i, keep in enumerate(keeps):
+            dst = 1 + i
+            ctx.seq_cp(src, dst, -1, last_pos)  # the prompt minus its last token, cells shared
             drop = np.setdiff1d(held[held < last_pos], keep, assume_unique=True)
             if drop.size:
                 ctx.page.evict(dst, drop)
-        n = len(tokens)
-        per_batch = max(1, ctx.n_batch // n) if n <= ctx.n_batch else 0
-        if per_batch == 0:  # a long span: one candidate at a time, in chunks
-            return [self.decode(tokens, last_pos, dst, logits="all") for dst in dsts]
-        out: list[list[np.ndarray]] = []
-        for g in range(0, len(dsts), per_batch):
-            group = dsts[g: g + per_batch]
-            ctx.decode_step(list(tokens) * len(group), [last_pos + j for j in range(n)] * len(group),
-                            [d for d in group for _ in range(n)])
-            out += [[ctx.logits(i * n + j) for j in range(n)] for i in range(len(group))]
-        return out
+            logits: list[np.ndarray] = []
+            s = 0
+            for e in chunk_ends(len(tokens), first_chunk):
+                logits += self.decode(list(tokens[s:e]), last_pos + s, dst, logits="all")
+                s = e
+                verdict = judge(logits)
+                if not verdict[0].passed:
+                    break
+            tried[i] = (verdict, logits, s)
+            if verdict[0].passed:
+                return i, tried
+            ctx.seq_rm(dst, -1, -1)
+        return None, tried
 
     def decode(self, tokens: Sequence[int], pos: int, seq: int, logits: str = "last") -> list[np.ndarray]:
         """Decode tokens at pos.. in seq in chunks of n_batch; with logits="all", every token's output
@@ -278,6 +305,25 @@ class Pipeline:
         changed = np.array([top_token(lg, self.model.is_eog) != t for lg, t in zip(ev_logits, top_full)], dtype=bool)
         v = verify_score(np.asarray(lp_full, dtype=np.float64), lp_ev, changed, rule=rule, threshold=threshold)
         return v, lp_ev, changed
+
+
+def chunk_ends(n: int, first: int = FIRST_CHUNK) -> list[int]:
+    """Where the check's chunks of n forced tokens end: first, 3 first, 7 first, ... (each chunk twice the
+    last), then n."""
+    ends, size, e = [], first, 0
+    while e < n:
+        e = min(n, e + size)
+        ends.append(e)
+        size *= 2
+    return ends
+
+
+def forced_tokens(n: int, first_failed: int | None, first: int = FIRST_CHUNK) -> int:
+    """Tokens check_ladder decodes on a candidate of n forced tokens whose first failing position (0-based,
+    None: none) is first_failed: up to the end of the chunk that holds it."""
+    if first_failed is None:
+        return n
+    return next(e for e in chunk_ends(n, first) if e > first_failed)
 
 
 def drop(probe: ProbeResult) -> tuple[float | None, list[float]]:

@@ -52,7 +52,7 @@ import numpy as np
 
 from page_local.tasks import scoring
 from page_local.chat.prompts import ChatPrompter, Prompt
-from page_local.engine.turn import N_SINK, W, supported
+from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, forced_tokens, supported
 from page_local.eval.rows import FULL, KEY_FIELDS, _jkey, read_rows, row_key
 from page_local.evictors.base import resolve_budget
 from page_local.gate import BASE_MODE, GATE_MODES, SEARCH_MODES, VERIFY_MODES
@@ -148,14 +148,21 @@ class _Run:
                     # after the full-cache candidate: the signals may re-decode seq 0's last token
                     signals = pipe.signals(ev.needs, pre, s - 1, toks[s - 1], spec=getattr(ev, "spec", None),
                                            cache=cache)
+                    if ev.needs & AFTER_ANSWER:  # scored by what the check forces: the full cache's answer
+                        if ("answer", ename) not in cache:
+                            cont = list(suffix) + list(full.tokens[: self.verify_m])
+                            cont = cont or [int(np.argmax(self.full_first))]  # it ends at once: its first choice
+                            cache[("answer", ename)] = pipe.answer_lookahead(ev.spec, cont, s - 1, seq=0, work=1)
+                        signals = dict(signals, answer_lookahead=cache[("answer", ename)])
                     t0 = time.perf_counter()
                     keep = pipe.select(ev, pre, B, signals, self.seed + p.sample.index)
                     select_ms = _ms(t0)
                     c = self._evicted(p, keep, pre.held, full)
                     c.B = B
                     c.timings["select_ms"] = select_ms
-                    if "lookahead" in signals:  # one-time per sample, shared by every budget
-                        c.timings["lookahead_ms"] = round(signals["lookahead"].ms, 3)
+                    for key in ("lookahead", "answer_lookahead"):  # one-time per sample, shared by every budget
+                        if key in signals:
+                            c.timings["lookahead_ms"] = round(signals[key].ms, 3)
                     cands[(ename, _jkey(b))] = c
         finally:
             ctx.seq_rm(1, -1, -1)
@@ -297,6 +304,7 @@ class _Run:
                     delta_self=c.delta_self, verify_open=verify_open, verify_tokens=c.verify_m,
                     verify_rule=VERIFY_RULE, verify_score=c.verify_score, verify_threshold=RULES[VERIFY_RULE][1],
                     verify_end=c.verify_end, verify_loss=c.verify_loss, verify_changed=c.verify_changed,
+                    verify_forced=_forced(c),
                     verify_top1=c.verify_top1, verify_kl_first=c.verify_kl_first,
                     nll_candidate=c.nll, delta_nll_candidate=c.nll - full.nll,
                     score_candidate=plain_score, correct_candidate=plain_score == 1.0,
@@ -323,6 +331,9 @@ class _Run:
                 tried = [dict(B=B, budget=b, passed=bool(c.verify_open)) for B, b, c in rungs]
                 allowed = page_open or gname == "search"
                 chosen = next((r for r in rungs if r[2].verify_open and r[2].evicted), None) if allowed else None
+                # the engine checks the rungs smallest first and stops at the first that passes
+                upto = rungs.index(chosen) + 1 if chosen is not None else len(rungs)
+                forced = sum(_forced(c) or 0 for _, _, c in rungs[:upto]) if allowed else 0
                 if chosen is not None:
                     B, b, c = chosen
                     pred = det(c.committed) if c.committed is not None else full_pred
@@ -335,6 +346,7 @@ class _Run:
                     evicted=chosen is not None, kept=kept, compression=T / kept if kept else 1.0, prediction=pred,
                     finish="" if chosen is not None else full.finish, score=sc, correct=sc == 1.0,
                     nll_evicted=nll_ev, delta_nll=nll_ev - full.nll, search=tried if allowed else [],
+                    search_forced=forced,
                     delta_self=None if c is None else c.delta_self, verify_open=chosen is not None,
                     verify_tokens=None if c is None else c.verify_m, verify_rule=VERIFY_RULE,
                     verify_score=None if c is None else c.verify_score, verify_threshold=RULES[VERIFY_RULE][1],
@@ -343,6 +355,14 @@ class _Run:
 
 
 # --- the public entry point ----------------------------------------------------------------------
+
+def _forced(c: Candidate) -> int | None:
+    """Tokens the engine decodes on this candidate to check it (Pipeline.check_ladder: the last prompt token
+    and the m answer tokens, in growing chunks that stop at the first changed top token); None: no check."""
+    if not c.evicted or not c.verify_m:
+        return None
+    return forced_tokens(c.verify_m + 1, c.verify_changed[0] if c.verify_changed else None)
+
 
 def _check_budgets(budgets) -> list:
     from page_local.evictors.base import resolve_budget
@@ -446,6 +466,11 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
                          "(the full cache is always evaluated)")
     budgets = _check_budgets(list(dict.fromkeys(budgets)))
     evs = {name: supported(get_evictor(name)) for name in dict.fromkeys(evictors)}
+    for name, ev in evs.items():
+        if ev.needs & AFTER_ANSWER and (early := [g for g in gates if g not in VERIFY_MODES]):
+            raise ValueError(f"evictor {name!r} scores the prompt by the full cache's answer, which only the verify "
+                             f"and search gates have before evicting; drop gate(s) {', '.join(early)} or run "
+                             f"{name} separately with --gates verify,search")
     if isinstance(verify_m, bool) or not isinstance(verify_m, int) or not 1 <= verify_m <= 256:
         raise ValueError(f"verify_m must be an int in [1, 256], got {verify_m!r}")
     if tasks:

@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from page_local.engine.turn import forced_tokens
 from page_local.verify import verify_score
 from page_local.eval.rows import read_rows
 
@@ -117,12 +118,22 @@ def by_task(rows, rule: str, threshold: float, cap: int, evictor: str = "snapkv"
     return dict(acc)
 
 
-def _search_line(right: list, choice: dict) -> dict:
+def forced(r: dict) -> int:
+    """Tokens the engine's check decodes on this candidate row (engine/turn.py forced_tokens, from the
+    row's trace under the argmax rule: it stops at the chunk of the first changed top token); 0 when
+    nothing was evicted or checked."""
+    if not r.get("verify_tokens") or r.get("B") is None or r["B"] >= r["T"]:
+        return 0
+    ch = r.get("verify_changed") or []
+    return forced_tokens(int(r["verify_tokens"]) + 1, ch[0] if ch else None)
+
+
+def _search_line(right: list, choice: dict, cost: dict | None = None) -> dict:
     """One line of the search table. choice: input -> (T/kept of the committed cache or None when the
     full cache was kept, the committed answer correct (None: unknown)); right: inputs right with the full
-    cache."""
+    cache; cost: input -> tokens the check decoded (mean reported as `forced`)."""
     comp = [1.0 if c is None else c for c, _ in choice.values()]
-    return dict(n=len(choice), right=len(right),
+    return dict(n=len(choice), right=len(right), forced=float(np.mean(list(cost.values()))) if cost else None,
                 lost=sum(choice[i][0] is not None and choice[i][1] is False for i in right),
                 unknown=sum(choice[i][0] is not None and choice[i][1] is None for i in right),
                 evicted=float(np.mean([c is not None for c, _ in choice.values()])),
@@ -141,9 +152,9 @@ def search(rows, rule: str = "argmax", threshold: float = 0.0, cap: int = 64, ev
 
     right = [i for i in inputs if cands[(*i, budgets[0])]["correct_full"]]
 
-    def line(choice: dict) -> dict:  # input -> (committed budget or None, committed answer correct)
+    def line(choice: dict, cost: dict) -> dict:  # input -> (committed budget or None, committed answer correct)
         return _search_line(right, {i: (None if b is None else cands[(*i, b)]["T"] / cands[(*i, b)]["kept"], ok)
-                                    for i, (b, ok) in choice.items()})
+                                    for i, (b, ok) in choice.items()}, cost)
 
     chosen: dict = defaultdict(lambda: defaultdict(int))
     pick = {}
@@ -158,8 +169,13 @@ def search(rows, rule: str = "argmax", threshold: float = 0.0, cap: int = 64, ev
     fixed = {}
     for b in budgets:
         dec = {i: decide(cands[(*i, b)], rule, threshold, cap) for i in inputs}
-        fixed[b] = line({i: (b if c else None, ok) for i, (c, ok) in dec.items()})
-    return {"search": line(pick), "fixed": fixed, "chosen": {t: dict(v) for t, v in sorted(chosen.items())}}
+        fixed[b] = line({i: (b if c else None, ok) for i, (c, ok) in dec.items()},
+                        {i: forced(cands[(*i, b)]) for i in inputs} if rule == "argmax" else None)
+    cost = None
+    if rule == "argmax":  # smallest first, up to the committed rung
+        cost = {i: sum(forced(cands[(*i, b)]) for b in budgets if pick[i][0] is None or b <= pick[i][0])
+                for i in inputs}
+    return {"search": line(pick, cost), "fixed": fixed, "chosen": {t: dict(v) for t, v in sorted(chosen.items())}}
 
 
 def search_recorded(rows, evictor: str = "snapkv") -> dict:
@@ -175,16 +191,19 @@ def search_recorded(rows, evictor: str = "snapkv") -> dict:
 
     right = [i for i in inputs if next(iter(ver[i].values()))["correct_full"]]
 
-    def line(pick: dict) -> dict:  # input -> the committed verify row or None
+    def line(pick: dict, cost: dict) -> dict:  # input -> the committed verify row or None
         return _search_line(right, {i: (None, None) if r is None else (r["T"] / r["kept"], bool(r["correct"]))
-                                    for i, r in pick.items()})
+                                    for i, r in pick.items()}, cost)
 
     pick = {i: next((ver[i][b] for b in budgets if b in ver[i] and ver[i][b]["evicted"]), None) for i in inputs}
-    fixed = {b: line({i: ver[i][b] if ver[i].get(b, {}).get("evicted") else None for i in inputs}) for b in budgets}
+    cost = {i: sum(forced(ver[i][b]) for b in budgets if b in ver[i] and (pick[i] is None or b <= pick[i]["budget"]))
+            for i in inputs}
+    fixed = {b: line({i: ver[i][b] if ver[i].get(b, {}).get("evicted") else None for i in inputs},
+                     {i: forced(ver[i][b]) for i in inputs if b in ver[i]}) for b in budgets}
     chosen: dict = defaultdict(lambda: defaultdict(int))
     for i, r in pick.items():
         chosen[i[0]][str(r["budget"]) if r is not None else "full"] += 1
-    return {"search": line(pick), "fixed": fixed, "chosen": {t: dict(v) for t, v in sorted(chosen.items())}}
+    return {"search": line(pick, cost), "fixed": fixed, "chosen": {t: dict(v) for t, v in sorted(chosen.items())}}
 
 
 def main(argv=None) -> None:
@@ -209,11 +228,13 @@ def main(argv=None) -> None:
         if a.json:
             print(json.dumps(s))
             return
-        print("| gate | correct answers lost (of right w/ full) | evicted | mean T/kept | median T/kept |")
-        print("|---|---|---|---|---|")
+        print("| gate | correct answers lost (of right w/ full) | evicted | mean T/kept | median T/kept | "
+              "tokens checked per input |")
+        print("|---|---|---|---|---|---|")
         for label, x in [(f"verify at {b}", v) for b, v in s["fixed"].items()] + [("search (smallest passing)", s["search"])]:
             print(f"| {label} | {x['lost']}/{x['right']}" + (f" (+{x['unknown']} unknown)" if x["unknown"] else "")
-                  + f" | {x['evicted']:.2f} | {x['compression']:.2f} | {x['median_compression']:.2f} |")
+                  + f" | {x['evicted']:.2f} | {x['compression']:.2f} | {x['median_compression']:.2f} | "
+                  + ("–" if x["forced"] is None else f"{x['forced']:.1f}") + " |")
         print("\nchosen budget per task: " + "; ".join(f"{t} {dict(sorted(c.items()))}" for t, c in s["chosen"].items()))
         return
     samples = {(r["task"], r["index"]) for r in rows}

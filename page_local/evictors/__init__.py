@@ -8,7 +8,7 @@ from __future__ import annotations
 from page_local.evictors.base import EvictionInput, Evictor, resolve_budget
 from page_local.evictors.h2o import H2O
 from page_local.evictors.knorm import KNorm
-from page_local.evictors.lorekv import LoreKV
+from page_local.evictors.lorekv import LoreKV, LoreKVAnswer
 from page_local.evictors.pyramidkv import PyramidKV
 from page_local.evictors.random_keep import RandomKeep
 from page_local.evictors.snapkv import SnapKV
@@ -16,7 +16,7 @@ from page_local.evictors.streamingllm import StreamingLLM
 from page_local.evictors.tova import TOVA
 
 EVICTORS: dict[str, type[Evictor]] = {
-    cls.name: cls for cls in (SnapKV, StreamingLLM, H2O, TOVA, KNorm, PyramidKV, RandomKeep, LoreKV)
+    cls.name: cls for cls in (SnapKV, StreamingLLM, H2O, TOVA, KNorm, PyramidKV, RandomKeep, LoreKV, LoreKVAnswer)
 }
 
 DEFAULT_EVICTOR = "snapkv"

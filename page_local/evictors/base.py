@@ -20,7 +20,7 @@ import numpy as np
 
 from page_local.probe import ProbeResult
 
-NEEDS = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead"})
+NEEDS = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead"})
 POOLS = ("none", "avg", "max")
 
 
@@ -37,6 +37,7 @@ class EvictionInput:
     prefill_attention: np.ndarray | None = None  # f32 (n_layer, T) column sums over all queries, head-mean
     key_norms: np.ndarray | None = None  # f32 (n_layer, n_head_kv, T)
     lookahead: object | None = None  # page_local.lookahead.Lookahead (LORE-KV): costs over its own positions
+    answer_lookahead: object | None = None  # the same, scored by the full cache's answer (lorekv-answer)
     seed: int = 0
 
     def __post_init__(self) -> None:

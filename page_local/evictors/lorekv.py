@@ -88,7 +88,9 @@ class LoreKV(Evictor):
         return w
 
     def score(self, inp: EvictionInput) -> np.ndarray:
-        la = inp.lookahead
+        return self._score(inp, inp.lookahead)
+
+    def _score(self, inp: EvictionInput, la) -> np.ndarray:
         cost = np.asarray(la.cost, dtype=np.float64)  # (S, n_layer, P)
         if self.layer_norm:
             mean = cost.mean(axis=2, keepdims=True)
@@ -100,3 +102,20 @@ class LoreKV(Evictor):
         ok[ok] = la.positions[col[ok]] == inp.held[ok]
         out[ok] = u[col[ok]]
         return out
+
+
+class LoreKVAnswer(LoreKV):
+    """LORE-KV whose one future is the answer itself: under the verify and search gates the full cache
+    decodes the answer (up to the check's cap) before anything is evicted, and the check forces exactly
+    those tokens on every candidate. Scoring the prompt by their queries costs one batch of the answer
+    (engine/lookahead.py score_answer) instead of S sampled futures, and keeps what this answer reads.
+    The other gates have no answer before the eviction: the engine refuses the pair."""
+
+    name = "lorekv-answer"
+    needs = frozenset({"answer_lookahead"})
+
+    def __init__(self, projection: str = "wo", layer_norm: bool = False):
+        super().__init__(futures=1, projection=projection, layer_norm=layer_norm)
+
+    def score(self, inp: EvictionInput) -> np.ndarray:
+        return self._score(inp, inp.answer_lookahead)

@@ -248,8 +248,13 @@ class Backend:
     @staticmethod
     def _apply(eng, job: Job) -> None:
         o = job.overrides
-        steps = (("gate", o.gate, eng.set_gate), ("budget", o.budget, eng.set_budget),
-                 ("evictor", o.evictor, eng.set_evictor),
+        if o.gate is not None or o.evictor is not None:  # together: the pair is checked as it will be
+            try:
+                eng.set_gate_and_evictor(o.gate or eng.gate_mode, o.evictor or eng.evictor)
+            except ValueError as e:
+                field = "evictor" if o.evictor is not None else "gate"
+                raise bad(f"page_local.{field}: {e}", f"page_local.{field}") from None
+        steps = (("budget", o.budget, eng.set_budget),
                  ("verify_tokens", o.verify_tokens,
                   lambda v: eng.set_verify(v, eng.verify_threshold, eng.verify_rule)),
                  ("on_full", o.on_full, lambda v: _set_on_full(eng, v)))
@@ -264,12 +269,10 @@ class Backend:
     def _restore(eng, saved: tuple) -> None:
         gate, budget, evictor, verify_tokens, on_full = saved
         _set_on_full(eng, on_full)
-        if eng.gate_mode != gate:
-            eng.set_gate(gate)
+        if eng.gate_mode != gate or eng.evictor != evictor:
+            eng.set_gate_and_evictor(gate, evictor)
         if eng.budget != budget or type(eng.budget) is not type(budget):
             eng.set_budget(budget)
-        if eng.evictor != evictor:
-            eng.set_evictor(evictor)
         if eng.verify_tokens != verify_tokens:
             eng.set_verify(verify_tokens, eng.verify_threshold, eng.verify_rule)
 
