@@ -94,17 +94,20 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_laye
               help="measure gate 'search': every budget of this ladder checked in one batch (e.g. 1/16,1/8,1/4,1/2)")
 @click.option("--evictor", default="snapkv", show_default=True, type=click.Choice(["snapkv", "lorekv-answer"]),
               help="lorekv-answer: the check also scores the prompt by the answer (one more batch)")
+@click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType(),
+              help="verify's budget (without --ladder)")
 @threads_option
 @n_gpu_layers_option
 @json_option()
-def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, threads, n_gpu_layers, as_json):
+def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, budget, threads, n_gpu_layers, as_json):
     """Self-verification's extra decode as a fraction of the prefill (target <= 0.05); with --ladder, budget
     search's (every rung at once)."""
     from page_local.bench.speed import verify_cost
 
     path = resolve_model(model)
     _bench(as_json, lambda: verify_cost(path, tokens=tokens, m=m, repeats=repeats, threads=threads,
-                                        prompt=prompt, n_gpu_layers=n_gpu_layers, ladder=ladder, evictor=evictor),
+                                        prompt=prompt, n_gpu_layers=n_gpu_layers, ladder=ladder, evictor=evictor,
+                                        budget=budget),
            lambda r: f"{r['tokens']}-token prompt ({r['prompt']}): the check of {r['m_checked']} answer tokens on "
                      f"{r['candidates']} candidate(s) decoded {r['forced_mean']:.0f} tokens in {r['verify_ms']:.1f} ms, "
                      f"prefill {r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {r['runs']} runs; "

@@ -40,7 +40,8 @@ class Decision:
     verify_kl_first: float | None = None  # KL(p_full || p_evicted) of the first generated token
     verify_ms: float | None = None  # the extra batch decode and the comparison
     verify_forced: int | None = None  # tokens decoded on candidates (a failing one stops where it fails)
-    lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms)
+    lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms;
+    # lorekv-answer: scoring the prompt by the answer, at the check, in verify_ms)
     gate_note: str | None = None  # a calibrated gate used far outside its pilot's prompt lengths
     # gate "search": every rung {B, label, score, passed, forced}, smallest first; passed None: not tried
     # (a smaller rung passed); forced: the tokens decoded on it before it passed or failed
