@@ -14,6 +14,7 @@ has a generous timeout because the machine running the tests may be loaded.
 from __future__ import annotations
 
 import os
+import signal
 import re
 import shutil
 import sys
@@ -64,8 +65,11 @@ class Chat:
                    PROMPT_TOOLKIT_NO_CPR="1", PYTHONUNBUFFERED="1")
         exe, pre = command()
         try:
+            # a user's terminal starts the REPL with SIGINT at its default; a process that inherits an
+            # ignored SIGINT (exec keeps SIG_IGN) never sees Ctrl-C, so the child starts as from a shell
             self.child = pexpect.spawn(exe, pre + ARGS, env=env, encoding="utf-8", codec_errors="replace",
-                                       timeout=TIMEOUT, dimensions=(60, 250))
+                                       timeout=TIMEOUT, dimensions=(60, 250),
+                                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         except (OSError, pexpect.ExceptionPexpect) as e:
             pytest.skip(f"pexpect cannot spawn a pseudo-terminal here: {e}")
         self.log = log
