@@ -149,10 +149,7 @@ class Engine(ContextPolicy):
 
     def set_gate(self, mode: str) -> None:
         """page | always | never | verify | page+verify | search | page+search (see GATE_MODES)."""
-        mode = check_gate_mode(mode)
-        check_pair(self._evictor, mode)
-        self.gate_mode = mode
-        self.gate = Gate(BASE_MODE[mode], self.gate.profile)
+        self.set_gate_and_evictor(mode, self.evictor)
 
     def set_gate_and_evictor(self, mode: str, evictor: str) -> None:
         """Both at once, the pair checked as it will be (an evictor that reads the answer needs a verify
@@ -394,8 +391,8 @@ class Engine(ContextPolicy):
     def _verify(self, dec: Decision, plan: tuple, out: list[int], full_logits: list[np.ndarray],
                 end: int | None = None, until: str = "end") -> None:
         """Self-verified eviction: teacher-force the generated tokens on evicted copies of the sequence
-        (seq 1.., sharing the prompt's cells), smallest first and in growing chunks that stop where a copy
-        fails (Pipeline.check_ladder, scored by Pipeline.verify_span); commit the first copy that passes
+        (seq 1, sharing the prompt's cells, one at a time), smallest first and in growing chunks that stop
+        where a copy fails (Pipeline.check_ladder); commit the first copy that passes
         (one copy under verify, one per ladder rung under search). end:
         the end-of-generation token the full cache chose after out (then full_logits has one more
         entry, and the candidate must end the answer there too). Updates dec."""
@@ -408,33 +405,29 @@ class Engine(ContextPolicy):
             dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
             return
         if callable(keeps):  # keep sets scored by this answer (lorekv-answer): chosen now
-            keeps = keeps(out)
-            dec.lookahead_ms = keeps.lookahead_ms
+            keeps, dec.lookahead_ms = keeps(out)
         y = list(out) + ([end] if end is not None else [])
         k = len(y)  # positions: m answer tokens (+ the answer's end)
         full_logits = full_logits[:k]
         lp_full = [logp(lg, t) for lg, t in zip(full_logits, y)]
         top_full = [top_token(lg, self.model.is_eog) for lg in full_logits]
-
-        def judge(logits):  # the rule over the positions decoded so far
-            j = min(len(logits), k)
-            return pipe.verify_span(lp_full[:j], logits[:j], y[:j], top_full[:j], self.verify_rule, self.verify_threshold)
-
-        chosen, tried = pipe.check_ladder([keep for _, keep in keeps], held, last_pos, [last_tok] + out, judge)
+        chosen, tried = pipe.check_ladder([keep for _, keep in keeps], held, last_pos, [last_tok] + out,
+                                          lp_full, y, top_full, self.verify_rule, self.verify_threshold)
         if len(keeps) > 1:
             labels = plan_labels(keeps, self.ladder, dec.T)
             dec.search = [dict(B=B, label=label, score=None, passed=None) if t is None else
-                          dict(B=B, label=label, score=t[0][0].score, passed=t[0][0].passed, forced=t[2])
+                          dict(B=B, label=label, score=t.score.score, passed=t.score.passed, forced=t.forced)
                           for (B, _), label, t in zip(keeps, labels, tried)]
         i = chosen if chosen is not None else len(keeps) - 1  # the verdict told: the chosen or the largest rung
-        (v, _, changed), ev_logits, _ = tried[i]
-        dec.verify_forced = sum(t[2] for t in tried if t is not None)
+        told = tried[i]
+        v, changed = told.score, told.changed
+        dec.verify_forced = sum(t.forced for t in tried if t is not None)
         dec.B = keeps[i][0]
         commit = chosen is not None
         if commit:  # the candidate already holds the m tokens: it becomes the sequence
             ctx.seq_rm(0, -1, -1)
-            ctx.seq_cp(1 + i, 0)
-            ctx.seq_rm(1 + i, -1, -1)
+            ctx.seq_cp(1, 0)
+            ctx.seq_rm(1, -1, -1)
             p = ctx.seq_pos_max(0)
             ctx.seq_rm(0, p, p + 1)  # the newest token again, so that the next one is sampled from this cache
             if self.compact:
@@ -446,7 +439,7 @@ class Engine(ContextPolicy):
             ctx.decode([out[-1]], p, 0)
         dec.verify_m, dec.verify_until = m, until
         dec.verify_score, dec.verify_delta, dec.verify_max, dec.verify_changed = v.score, v.mean, v.max, v.changed
-        dec.verify_top1, dec.verify_kl_first = float(1.0 - changed.mean()), kl(full_logits[0], ev_logits[0])
+        dec.verify_top1, dec.verify_kl_first = float(1.0 - changed.mean()), kl(full_logits[0], told.first_logits)
         dec.verify_ms = (time.perf_counter() - t0) * 1e3
         dec.evicted = commit
         dec.kept = self.cells_used() - m  # prompt positions held after the decision
@@ -563,12 +556,6 @@ class Engine(ContextPolicy):
         self.close()
 
 
-class _Keeps(list):
-    """[(B, keep)] chosen at the check, with the milliseconds the answer's scoring took."""
-
-    lookahead_ms: float = 0.0
-
-
 class _AfterAnswer:
     """The keep sets of an evictor that reads the full cache's answer (evictor lorekv-answer): called
     with the answer tokens at the check, it scores the prompt by their queries (one batch in sequence 1,
@@ -578,12 +565,11 @@ class _AfterAnswer:
         self.pipe, self.ev, self.pre, self.budgets = pipe, ev, pre, budgets
         self.last_pos, self.signals, self.seed = last_pos, signals, seed
 
-    def __call__(self, answer: list[int]) -> _Keeps:
+    def __call__(self, answer: list[int]) -> tuple[list, float]:
+        """([(B, keep)] smallest first, the milliseconds the scoring took)."""
         la = self.pipe.answer_lookahead(self.ev.spec, answer, self.last_pos, seq=0, work=1)
         sig = dict(self.signals, answer_lookahead=la)
-        out = _Keeps((b, self.pipe.select(self.ev, self.pre, b, sig, self.seed)) for b in self.budgets)
-        out.lookahead_ms = la.ms
-        return out
+        return [(b, self.pipe.select(self.ev, self.pre, b, sig, self.seed)) for b in self.budgets], la.ms
 
 
 def check_pair(evictor, gate_mode: str) -> None:

@@ -205,46 +205,58 @@ class Pipeline:
 
     def candidate(self, keep: np.ndarray, held: np.ndarray, last_pos: int, tokens: Sequence[int],
                   src: int = 0, dst: int = 1, logits: str = "last") -> tuple[int, list[np.ndarray]]:
-        """Build the evicted candidate in dst without touching src: dst = src's positions below last_pos
-        (cells shared), minus those not in keep; then tokens (the last prompt token first) are decoded
-        at last_pos... Returns (positions dropped, the decoded tokens' logits when logits="all"). The
-        caller removes dst afterwards."""
-        ctx = self.ctx
-        ctx.seq_cp(src, dst, -1, last_pos)  # the prompt minus its last token, cells shared
+        """Build the evicted candidate in dst without touching src (evicted_copy); then tokens (the last
+        prompt token first) are decoded at last_pos... Returns (positions dropped, the decoded tokens'
+        logits when logits="all"). The caller removes dst afterwards."""
+        dropped = self.evicted_copy(keep, held, last_pos, src, dst)
+        return dropped, self.decode(tokens, last_pos, dst, logits=logits)
+
+    def evicted_copy(self, keep: np.ndarray, held: np.ndarray, last_pos: int, src: int, dst: int) -> int:
+        """dst = src's positions below last_pos (cells shared), minus those not in keep. Returns how many
+        positions were dropped."""
+        self.ctx.seq_cp(src, dst, -1, last_pos)  # the prompt minus its last token, cells shared
         drop = np.setdiff1d(held[held < last_pos], keep, assume_unique=True)
         if drop.size:
-            ctx.page.evict(dst, drop)
-        return int(drop.size), self.decode(tokens, last_pos, dst, logits=logits)
+            self.ctx.page.evict(dst, drop)
+        return int(drop.size)
 
     def check_ladder(self, keeps: Sequence[np.ndarray], held: np.ndarray, last_pos: int, tokens: Sequence[int],
-                     judge, src: int = 0, first_chunk: int = FIRST_CHUNK) -> tuple[int | None, list]:
-        """Self-verification over candidates, smallest first (keeps[i]: candidate i's keep set, in sequence
-        1 + i, built as candidate() builds it). tokens (the last prompt token, then the answer) are decoded
-        on a candidate in chunks of first_chunk, twice that, four times..., and judge(logits so far) ->
-        (VerifyScore, ...) scores it after each chunk. The rules are monotone in the span, so a candidate
-        that fails a prefix fails the whole: it stops there and is removed; the first candidate that passes
-        every token is the answer and is left in its sequence. Returns (its index or None, per candidate
-        None (not tried: a smaller one passed) or (judge's verdict, the logits decoded, tokens forced))."""
-        ctx = self.ctx
+                     lp_full: Sequence[float], targets: Sequence[int], top_full: Sequence[int],
+                     rule: str = VERIFY_RULE, threshold: float | None = None, src: int = 0,
+                     first_chunk: int = FIRST_CHUNK) -> tuple[int | None, list]:
+        """Self-verification over candidates, smallest first, one at a time in sequence 1 (keeps[i]:
+        candidate i's keep set, built by evicted_copy). tokens (the last prompt token, then the answer)
+        are decoded on it in chunks of first_chunk, twice that, four times...; after each chunk its new
+        positions are scored (the candidate's log p of targets[j] and whether its top token differs from
+        top_full[j], as verify_span does) and the rule decides over the positions so far. The rules are
+        monotone in the span, so a candidate that fails a prefix fails the whole: it stops there and is
+        removed; the first candidate that passes every position is left in sequence 1. Returns (its index
+        or None, per candidate None (not tried: a smaller one passed) or a Checked)."""
+        ctx, k = self.ctx, len(targets)
+        lp_full = np.asarray(lp_full, dtype=np.float64)
         tried: list = [None] * len(keeps)
         for i, keep in enumerate(keeps):
-            dst = 1 + i
-            ctx.seq_cp(src, dst, -1, last_pos)  # the prompt minus its last token, cells shared
-            drop = np.setdiff1d(held[held < last_pos], keep, assume_unique=True)
-            if drop.size:
-                ctx.page.evict(dst, drop)
-            logits: list[np.ndarray] = []
+            self.evicted_copy(keep, held, last_pos, src, 1)
+            lp_ev: list[float] = []
+            changed: list[bool] = []
+            first = None
             s = 0
             for e in chunk_ends(len(tokens), first_chunk):
-                logits += self.decode(list(tokens[s:e]), last_pos + s, dst, logits="all")
+                for j, lg in enumerate(self.decode(list(tokens[s:e]), last_pos + s, 1, logits="all"), start=s):
+                    if j < k:  # a position of the span (the last output is the next token's)
+                        lp_ev.append(logp(lg, targets[j]))
+                        changed.append(top_token(lg, self.model.is_eog) != top_full[j])
+                    if j == 0:
+                        first = lg
                 s = e
-                verdict = judge(logits)
-                if not verdict[0].passed:
+                v = verify_score(lp_full[: len(lp_ev)], np.asarray(lp_ev), np.asarray(changed, dtype=bool),
+                                 rule=rule, threshold=threshold)
+                if not v.passed:
                     break
-            tried[i] = (verdict, logits, s)
-            if verdict[0].passed:
+            tried[i] = Checked(v, np.asarray(lp_ev), np.asarray(changed, dtype=bool), first, s)
+            if v.passed:
                 return i, tried
-            ctx.seq_rm(dst, -1, -1)
+            ctx.seq_rm(1, -1, -1)
         return None, tried
 
     def decode(self, tokens: Sequence[int], pos: int, seq: int, logits: str = "last") -> list[np.ndarray]:
@@ -305,6 +317,18 @@ class Pipeline:
         changed = np.array([top_token(lg, self.model.is_eog) != t for lg, t in zip(ev_logits, top_full)], dtype=bool)
         v = verify_score(np.asarray(lp_full, dtype=np.float64), lp_ev, changed, rule=rule, threshold=threshold)
         return v, lp_ev, changed
+
+
+@dataclass
+class Checked:
+    """One candidate's check (Pipeline.check_ladder): the verdict over the positions it decoded, their
+    log-probs and changed top tokens, its first output's logits, and the tokens it decoded."""
+
+    score: object  # verify.VerifyScore
+    lp: np.ndarray  # f64 (j,)
+    changed: np.ndarray  # bool (j,)
+    first_logits: np.ndarray  # f32 (n_vocab,)
+    forced: int
 
 
 def chunk_ends(n: int, first: int = FIRST_CHUNK) -> list[int]:
