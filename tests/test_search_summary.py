@@ -36,3 +36,9 @@ def test_the_cli_prints_one_search_line_per_evictor(rows, capsys):
     main([str(ROWS)])
     out = capsys.readouterr().out
     assert out.count("search: lost") == 2 and "x SnapKV verify at 0.25" in out
+
+
+def test_a_missing_rows_file_is_said_as_such(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "nope.jsonl")])
+    assert e.value.code == 2 and "no such rows file" in capsys.readouterr().err

@@ -21,6 +21,17 @@ def row_key(row: dict) -> tuple:
     return tuple(_jkey(row.get(k)) for k in KEY_FIELDS)
 
 
+def read_rows_file(path: str | os.PathLike) -> list[dict]:
+    """read_rows for a file that must be there (the readers of committed rows): ValueError when it is
+    missing or holds no rows."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such rows file (an `eval run --out` JSONL, or its .gz)")
+    rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    return rows
+
+
 def read_rows(path: str | os.PathLike, repair: bool = False) -> list[dict]:
     """Rows of a results file. A truncated LAST line (an interrupted write) is ignored, and with
     repair=True cut off the file; a bad line elsewhere is a ValueError naming it. A file ending in

@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
-from page_local.eval.rows import read_rows
+from page_local.eval.rows import read_rows_file
 
 
 def points(rows, evictor: str = "snapkv") -> list[dict]:
@@ -96,9 +95,10 @@ def main(argv=None) -> None:
         if not rest:
             ap.error(f"{spec!r} is not LABEL=ROWS[:EVICTOR]")
         path, _, evictor = rest.partition(":")
-        if not Path(path).is_file():
-            ap.error(f"{path}: no such rows file (an `eval run --out` JSONL, or its .gz)")
-        pts = points(read_rows(path), evictor or "snapkv")
+        try:
+            pts = points(read_rows_file(path), evictor or "snapkv")
+        except ValueError as e:
+            ap.error(str(e))
         if not pts:
             ap.error(f"{path} has no rows of evictor {evictor or 'snapkv'} under always, verify or search")
         for p in pts:

@@ -17,7 +17,7 @@ import json
 import statistics as st
 from collections import defaultdict
 
-from page_local.eval.rows import FULL, read_rows
+from page_local.eval.rows import FULL, read_rows_file
 from page_local.eval.verify_rules import forced
 
 
@@ -75,7 +75,10 @@ def main(argv=None) -> None:
     ap.add_argument("rows")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    s = summary(read_rows(a.rows))
+    try:
+        s = summary(read_rows_file(a.rows))
+    except ValueError as e:
+        ap.error(str(e))
     if a.json:
         print(json.dumps(s))
         return

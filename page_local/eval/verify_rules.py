@@ -21,7 +21,7 @@ import numpy as np
 
 from page_local.engine.turn import forced_tokens
 from page_local.verify import verify_score
-from page_local.eval.rows import read_rows
+from page_local.eval.rows import read_rows, read_rows_file
 
 DEFAULT_RULES = ("mean:0.05", "max:0.25", "max:0.5", "max:1.0", "sum:1.0", "argmax:0")
 
@@ -218,7 +218,10 @@ def main(argv=None) -> None:
                     help="re-decide gate 'search' (the run's budgets as the ladder) under this rule, e.g. argmax:0, "
                          "or 'recorded': from the verify rows as they were decided (runs without traces)")
     a = ap.parse_args(argv)
-    rows = read_rows(a.rows)
+    try:
+        rows = read_rows_file(a.rows)
+    except ValueError as e:
+        ap.error(str(e))
     if a.search:
         if a.search == "recorded":
             s = search_recorded(rows, a.evictor)
