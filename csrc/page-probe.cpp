@@ -466,8 +466,15 @@ ggml_tensor * build_costs(ggml_context * ctx0, probe_state * st, ggml_tensor * a
     if (st->vn_reuse) {
         vn = vn_cache;
     } else {
-        ggml_tensor * rv = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_mul_mat(ctx0, vd, r))); // [d_v, n_kv, H] R_h v_p
-        vn = ggml_reshape_3d(ctx0, ggml_sum_rows(ctx0, ggml_sqr(ctx0, rv)), n_kv, 1, n_head);
+        // R_h v_p for every cell, as one weight-by-activation product per KV head: the factors of the
+        // n_rep query heads that share a KV head are stacked into one [d_v, d_v * n_rep] weight, and
+        // the squares are summed along the contiguous axis (no transposed copy of [d_v, n_kv, H])
+        const int64_t n_head_kv = vd->ne[2];
+        const int64_t n_rep     = n_head / n_head_kv;
+        ggml_tensor * rg = ggml_reshape_3d(ctx0, r, d_v, d_v * n_rep, n_head_kv);           // [d_v, d_v*n_rep, H_kv]
+        ggml_tensor * rv = ggml_reshape_4d(ctx0, ggml_mul_mat(ctx0, rg, vd), d_v, n_rep, n_kv, n_head_kv);
+        ggml_tensor * sq = ggml_reshape_3d(ctx0, ggml_sum_rows(ctx0, ggml_sqr(ctx0, rv)), n_rep, n_kv, n_head_kv);
+        vn = ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, sq, 1, 0, 2, 3)), n_kv, 1, n_head); // [n_kv, 1, H]
         ggml_build_forward_expand(st->build_gf, ggml_cpy(ctx0, vn, vn_cache));
     }
     d2 = ggml_add(ctx0, ggml_add(ctx0, d2, vn), on);

@@ -244,9 +244,22 @@ def test_bench_verify_with_a_ladder_checks_the_smallest_rung_first(cli):
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
     assert r["candidates"] == 2 and r["ladder"] == [0.25, 0.5] and r["verify_ms"] > 0 and r["ratio"] > 0
-    # every check passes on this prompt: only the smallest rung is decoded (the answer's tokens + the last
-    # prompt token)
-    assert r["prompt"] == "needle" and r["forced_mean"] == r["m_checked"] + 1
+    # every check passes on this prompt: the smallest rung decodes the answer's tokens + the last prompt
+    # token; the larger one only its first chunk (every rung's first chunk goes in one batch)
+    assert r["prompt"] == "needle" and r["forced_mean"] == r["m_checked"] + 1 + min(4, r["m_checked"] + 1)
+
+
+def test_bench_forced_measures_a_forced_token_beside_a_prefill_token(cli):
+    res = cli("bench", "forced", "--tokens", "128", "--repeats", "1", "--threads", "1", "--json")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["bench"] == "forced" and r["tokens"] == 128 and r["prefill_ms_per_token"] > 0
+    assert list(r["ratio"]) == ["1", "4", "8", "16", "32", "64"]
+    for n, ms in r["chunk_ms"].items():
+        assert ms > 0 and abs(r["ms_per_forced_token"][n] - ms / int(n)) < 1e-2
+        assert abs(r["ratio"][n] - r["ms_per_forced_token"][n] / r["prefill_ms_per_token"]) < 0.05 * r["ratio"][n] + 1e-2
+    text = cli("bench", "forced", "--tokens", "128", "--repeats", "1", "--threads", "1").stdout
+    assert "a forced token costs" in text and "in chunks of 64" in text
 
 
 def test_bench_verify_on_task_prompts_decides_as_in_use(cli):

@@ -418,9 +418,13 @@ def test_search_rows_commit_the_smallest_budget_whose_verify_row_passed(smollm2_
             assert not search["evicted"] and search["prediction"] == full["prediction"] and search["kept"] == search["T"]
         ps = next(r for r in mine if r["gate"] == "page+search")
         assert ps["evicted"] == (search["evicted"] and full["page_open"])
-        # the check's cost as the engine pays it: the rungs smallest first, up to the committed one
-        upto = verify[: verify.index(passed[0]) + 1] if passed else verify
-        assert search["search_forced"] == sum(r["verify_forced"] or 0 for r in upto)
+        # the check's cost as the engine pays it: every rung's first chunk in one batch, then the rungs
+        # smallest first, up to the committed one
+        checked = [r for r in verify if r["verify_forced"]]
+        upto = checked[: checked.index(passed[0]) + 1] if passed else checked
+        first = min(4, checked[0]["verify_tokens"] + 1) if checked else 0
+        extra = first * (len(checked) - len(upto)) if len(checked) > 1 else 0
+        assert search["search_forced"] == sum(r["verify_forced"] for r in upto) + extra
         for r in verify:  # a candidate stops at the chunk of its first changed top token
             n = r["verify_tokens"] + 1  # the last prompt token and the answer
             assert r["verify_forced"] == (n if not r["verify_changed"] else

@@ -167,9 +167,38 @@ def test_search_commits_the_smallest_budget_that_passes_and_agrees_with_verify(e
     # a failed rung stopped where it failed; the chosen one decoded the whole answer (+ the prompt's last token)
     assert d.search[first]["forced"] == d.verify_m + 1
     assert all(0 < x["forced"] <= d.verify_m + 1 for x in d.search[:first])
-    assert d.verify_forced == sum(x["forced"] for x in d.search[: first + 1])
+    # every rung's first chunk went in one batch: the rungs above the chosen one decoded theirs
+    above = len(ladder) - first - 1
+    assert d.verify_forced == sum(x["forced"] for x in d.search[: first + 1]) + above * min(4, d.verify_m + 1)
     assert r.tokens == full_run[0][: len(r.tokens)]
     assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))  # no candidate left behind
+
+
+def test_search_decides_the_same_with_the_first_chunks_batched_or_not(engine, monkeypatch):
+    """Batching every rung's first chunk (candidate i in sequence 1 + i) changes what is decoded together,
+    not the verdicts: the same rungs pass and fail at the same positions, and the same one is committed."""
+    ladder = (40, 0.25, 0.5)
+    engine.set_verify()
+    engine.set_gate("search")
+    engine.set_ladder(ladder)
+    pipe = engine.pipeline
+    original = type(pipe).check_ladder
+    try:
+        engine.reset()
+        batched = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8).decision
+        engine.reset()
+        monkeypatch.setattr(pipe, "check_ladder", lambda *a, **k: original(pipe, *a, **dict(k, batch_first=False)))
+        one_by_one = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8).decision
+    finally:
+        engine.set_gate("never")
+        engine.set_budget(0.25)
+    key = lambda d: [(x["B"], x["passed"], x.get("forced"), x["score"]) for x in d.search]
+    assert key(batched) == key(one_by_one) and batched.B == one_by_one.B and batched.kept == one_by_one.kept
+    assert any(x["passed"] is False for x in batched.search)  # a rung failed: its first chunk was in the batch
+    above = sum(x["passed"] is None for x in batched.search)
+    assert batched.verify_forced == one_by_one.verify_forced + above * min(4, batched.verify_m + 1)
+    assert abs(batched.verify_delta - one_by_one.verify_delta) < 1e-3
+    assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))
 
 
 def test_a_failing_candidate_stops_where_it_fails(engine, full_run):

@@ -255,6 +255,53 @@ def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP,
             "ratio_max": round(max(ratios), 4), "target_ratio": 0.05, "device": device}
 
 
+FORCED_SIZES = (1, 4, 8, 16, 32, 64)
+
+
+def forced_cost(model_path, tokens: int = 2048, sizes=FORCED_SIZES, repeats: int = 3, threads: int = 2,
+                seed: int = 0, n_gpu_layers: int | str | None = None) -> dict:
+    """What the check pays per forced token, beside what the prefill pays per prompt token: decodes of n
+    tokens with every token's logits (as check_ladder forces an answer on a candidate: a sequence that
+    shares the prompt's cells) after a `tokens`-token prompt, for each chunk size n, against the prompt's
+    own prefill (ubatch-sized batches, last logits only); medians. ratio[n] = ms per forced token in
+    chunks of n / ms per prefill token."""
+    if tokens < 64:
+        raise ValueError(f"--tokens must be at least 64, got {tokens}")
+    sizes = sorted({int(n) for n in sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"chunk sizes must be positive, got {sizes}")
+    prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens + sizes[-1]).tolist()
+    with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
+            Context(model, ContextConfig(n_ctx=tokens + sizes[-1] + 64, threads=threads, n_seq_max=2,
+                                         allow_long_context=True)) as ctx:
+        if sizes[-1] > ctx.n_batch:
+            raise ValueError(f"a chunk of {sizes[-1]} tokens exceeds the batch ({ctx.n_batch})")
+        device = ctx.placement()
+        ctx.decode(prompt[:64], 0, logits="none")  # warm-up: first graph build and allocation
+        prefill = []
+        for _ in range(repeats):
+            ctx.clear()
+            t0 = time.perf_counter()
+            ctx.decode(prompt[:tokens], 0)
+            prefill.append((time.perf_counter() - t0) * 1e3)
+        chunk: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(repeats):
+            for n in sizes:
+                ctx.seq_cp(0, 1)
+                t0 = time.perf_counter()
+                ctx.decode(prompt[tokens: tokens + n], tokens, 1, logits="all")
+                chunk[n].append((time.perf_counter() - t0) * 1e3)
+                ctx.seq_rm(1, -1, -1)
+    prefill_ms = statistics.median(prefill)
+    per_prompt_token = prefill_ms / tokens
+    ms = {n: statistics.median(v) for n, v in chunk.items()}
+    return {"bench": "forced", "tokens": tokens, "threads": threads, "repeats": repeats,
+            "prefill_ms": round(prefill_ms, 1), "prefill_ms_per_token": round(per_prompt_token, 3),
+            "chunk_ms": {str(n): round(ms[n], 2) for n in sizes},
+            "ms_per_forced_token": {str(n): round(ms[n] / n, 3) for n in sizes},
+            "ratio": {str(n): round(ms[n] / n / per_prompt_token, 3) for n in sizes}, "device": device}
+
+
 def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 4, lookahead_tokens: int = 32,
                     repeats: int = 3, threads: int = 2, n_gpu_layers: int | str | None = None) -> dict:
     """LORE-KV's one-time cost beside SnapKV's: the time from the prompt to the eviction decision

@@ -114,6 +114,27 @@ def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, budget, thr
                      f"mean {r['ratio_mean']:.4f}, max {r['ratio_max']:.4f})")
 
 
+@bench_group.command("forced")
+@model_option
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=64))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@threads_option
+@n_gpu_layers_option
+@json_option()
+def bench_forced(model, tokens, repeats, threads, n_gpu_layers, as_json):
+    """What a token forced by the check costs, in chunks of 1-64, beside a prefill token (the check's floor)."""
+    from page_local.bench.speed import forced_cost
+    from page_local.native.runtime import describe_placement
+
+    path = resolve_model(model)
+    _bench(as_json, lambda: forced_cost(path, tokens=tokens, repeats=repeats, threads=threads,
+                                        n_gpu_layers=n_gpu_layers),
+           lambda r: f"after a {tokens}-token prompt (prefill {r['prefill_ms_per_token']:.2f} ms per token): a forced "
+                     "token costs " + ", ".join(f"{r['ms_per_forced_token'][n]:.2f} ms ({r['ratio'][n]:.1f}x) in chunks "
+                                                f"of {n}" for n in r["ratio"])
+                     + f" (medians of {repeats}); {describe_placement(r['device'])}")
+
+
 @bench_group.command("lorekv")
 @model_option
 @click.option("--tokens", default=2048, show_default=True, type=click.IntRange(min=256))

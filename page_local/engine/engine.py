@@ -36,7 +36,7 @@ import numpy as np
 from page_local import defaults
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.room import ContextPolicy, check_on_full
-from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, Pipeline, supported
+from page_local.engine.turn import AFTER_ANSWER, FIRST_CHUNK, N_SINK, W, Pipeline, supported
 from page_local.errors import ContextFull, EngineBusy, StateFileError
 from page_local.evictors import get_evictor
 from page_local.evictors.base import resolve_budget
@@ -47,7 +47,7 @@ from page_local.native.sampler import make_sampler, sample
 from page_local.store import models
 from page_local.store.persist import Snapshot
 from page_local.store.gguf import model_identity
-from page_local.verify import VERIFY_CAP, VERIFY_RULE, check_rule, kl, logp, top_token
+from page_local.verify import VERIFY_CAP, VERIFY_RULE, check_rule, kl
 
 __all__ = ["Decision", "Engine", "Result", "Sampling", "Stream"]
 
@@ -409,10 +409,11 @@ class Engine(ContextPolicy):
         y = list(out) + ([end] if end is not None else [])
         k = len(y)  # positions: m answer tokens (+ the answer's end)
         full_logits = full_logits[:k]
-        lp_full = [logp(lg, t) for lg, t in zip(full_logits, y)]
-        top_full = [top_token(lg, self.model.is_eog) for lg in full_logits]
-        chosen, tried = pipe.check_ladder([keep for _, keep in keeps], held, last_pos, [last_tok] + out,
-                                          lp_full, y, top_full, self.verify_rule, self.verify_threshold)
+        # every rung's first chunk goes in one batch when the cache has room for those copies too
+        batch_first = self.cells_used() + m + 1 + (len(keeps) - 1) * FIRST_CHUNK <= ctx.n_ctx
+        chosen, tried, forced = pipe.check_ladder([keep for _, keep in keeps], held, last_pos, [last_tok] + out,
+                                                  full_logits, y, self.verify_rule, self.verify_threshold,
+                                                  batch_first=batch_first)
         if len(keeps) > 1:
             labels = plan_labels(keeps, self.ladder, dec.T)
             dec.search = [dict(B=B, label=label, score=None, passed=None) if t is None else
@@ -421,7 +422,7 @@ class Engine(ContextPolicy):
         i = chosen if chosen is not None else len(keeps) - 1  # the verdict told: the chosen or the largest rung
         told = tried[i]
         v, changed = told.score, told.changed
-        dec.verify_forced = sum(t.forced for t in tried if t is not None)
+        dec.verify_forced = forced
         dec.B = keeps[i][0]
         commit = chosen is not None
         if commit:  # the candidate already holds the m tokens: it becomes the sequence

@@ -221,43 +221,79 @@ class Pipeline:
         return int(drop.size)
 
     def check_ladder(self, keeps: Sequence[np.ndarray], held: np.ndarray, last_pos: int, tokens: Sequence[int],
-                     lp_full: Sequence[float], targets: Sequence[int], top_full: Sequence[int],
-                     rule: str = VERIFY_RULE, threshold: float | None = None, src: int = 0,
-                     first_chunk: int = FIRST_CHUNK) -> tuple[int | None, list]:
-        """Self-verification over candidates, smallest first, one at a time in sequence 1 (keeps[i]:
-        candidate i's keep set, built by evicted_copy). tokens (the last prompt token, then the answer)
-        are decoded on it in chunks of first_chunk, twice that, four times...; after each chunk its new
-        positions are scored (the candidate's log p of targets[j] and whether its top token differs from
-        top_full[j], as verify_span does) and the rule decides over the positions so far. The rules are
-        monotone in the span, so a candidate that fails a prefix fails the whole: it stops there and is
-        removed; the first candidate that passes every position is left in sequence 1. Returns (its index
-        or None, per candidate None (not tried: a smaller one passed) or a Checked)."""
-        ctx, k = self.ctx, len(targets)
-        lp_full = np.asarray(lp_full, dtype=np.float64)
-        tried: list = [None] * len(keeps)
+                     full_logits: Sequence[np.ndarray], targets: Sequence[int], rule: str = VERIFY_RULE,
+                     threshold: float | None = None, src: int = 0, first_chunk: int = FIRST_CHUNK,
+                     batch_first: bool = True) -> tuple[int | None, list, int]:
+        """Self-verification over candidates, smallest first (keeps[i]: candidate i's keep set, built by
+        evicted_copy). tokens (the last prompt token, then the answer) are decoded on a candidate in chunks
+        of first_chunk, twice that, four times...; after each chunk its new positions are scored (the
+        candidate's log p of targets[j] and whether its top token differs from the full cache's, whose
+        logits there are full_logits[j], as verify_span does) and the rule decides over the positions so
+        far. The rules are monotone in the span, so a candidate that fails a prefix fails the whole: it
+        stops there and is removed. The first candidate that passes every position is left in sequence 1.
+
+        batch_first (with more than one candidate): every candidate's first chunk is decoded in one batch,
+        candidate i in sequence 1 + i (most failing rungs fail there, and on CPU one decode of 4 x 4
+        tokens costs what two of 4 do: docs/results.md, "What a forced token costs"); then the candidates
+        that passed it go on one at a time, smallest first. The full cache's log-probs are computed only
+        as far as a candidate gets. Returns (the index of the first candidate that passes or None, per
+        candidate None (not tried further: a smaller one passed) or a Checked, the tokens decoded)."""
+        ctx, k, is_eog = self.ctx, len(targets), self.model.is_eog
+        lp_full: list[float] = []
+        top_full: list[int] = []
+        ends = chunk_ends(len(tokens), first_chunk)
+        R = len(keeps)
+        batch_first = batch_first and R > 1 and R * ends[0] <= ctx.n_batch and R < ctx.n_seq_max
+        cands = [_Checking() for _ in keeps]
+
+        def score(c: "_Checking", outs, s: int, e: int) -> None:
+            for j in range(len(lp_full), min(e, k)):  # the full cache's side, once per position
+                lp_full.append(logp(full_logits[j], targets[j]))
+                top_full.append(top_token(full_logits[j], is_eog))
+            for j, lg in enumerate(outs, start=s):
+                if j < k:  # a position of the span (the last output is the next token's)
+                    c.lp.append(logp(lg, targets[j]))
+                    c.changed.append(top_token(lg, is_eog) != top_full[j])
+                if j == 0:
+                    c.first = lg
+            c.s = e
+            n = len(c.lp)
+            c.v = verify_score(np.asarray(lp_full[:n]), np.asarray(c.lp), np.asarray(c.changed, dtype=bool),
+                               rule=rule, threshold=threshold)
+
+        decoded = 0
+        seqs = [1 + i if batch_first else 1 for i in range(R)]
+        if batch_first:
+            e0 = ends[0]
+            for i, keep in enumerate(keeps):
+                self.evicted_copy(keep, held, last_pos, src, seqs[i])
+            ctx.decode_step([t for _ in keeps for t in tokens[:e0]], [last_pos + j for _ in keeps for j in range(e0)],
+                            [q for q in seqs for _ in range(e0)])
+            for i, c in enumerate(cands):
+                score(c, [ctx.logits(i * e0 + j) for j in range(e0)], 0, e0)
+            decoded = R * e0
+        tried: list = [None] * R
         for i, keep in enumerate(keeps):
-            self.evicted_copy(keep, held, last_pos, src, 1)
-            lp_ev: list[float] = []
-            changed: list[bool] = []
-            first = None
-            s = 0
-            for e in chunk_ends(len(tokens), first_chunk):
-                for j, lg in enumerate(self.decode(list(tokens[s:e]), last_pos + s, 1, logits="all"), start=s):
-                    if j < k:  # a position of the span (the last output is the next token's)
-                        lp_ev.append(logp(lg, targets[j]))
-                        changed.append(top_token(lg, self.model.is_eog) != top_full[j])
-                    if j == 0:
-                        first = lg
-                s = e
-                v = verify_score(lp_full[: len(lp_ev)], np.asarray(lp_ev), np.asarray(changed, dtype=bool),
-                                 rule=rule, threshold=threshold)
-                if not v.passed:
+            c, seq = cands[i], seqs[i]
+            if not batch_first:
+                self.evicted_copy(keep, held, last_pos, src, seq)
+            for e in ends:
+                if e <= c.s:
+                    continue
+                if c.v is not None and not c.v.passed:
                     break
-            tried[i] = Checked(v, np.asarray(lp_ev), np.asarray(changed, dtype=bool), first, s)
-            if v.passed:
-                return i, tried
-            ctx.seq_rm(1, -1, -1)
-        return None, tried
+                decoded += e - c.s
+                score(c, self.decode(list(tokens[c.s:e]), last_pos + c.s, seq, logits="all"), c.s, e)
+            tried[i] = Checked(c.v, np.asarray(c.lp), np.asarray(c.changed, dtype=bool), c.first, c.s)
+            if c.v.passed:
+                for q in seqs[i + 1:]:  # the larger candidates' first chunks are not needed
+                    ctx.seq_rm(q, -1, -1)
+                if seq != 1:  # the chosen candidate becomes sequence 1 (the smaller ones are gone)
+                    ctx.seq_cp(seq, 1)
+                    ctx.seq_rm(seq, -1, -1)
+                return i, tried, decoded
+            ctx.seq_rm(seq, -1, -1)
+        return None, tried, decoded
 
     def decode(self, tokens: Sequence[int], pos: int, seq: int, logits: str = "last") -> list[np.ndarray]:
         """Decode tokens at pos.. in seq in chunks of n_batch; with logits="all", every token's output
@@ -320,6 +356,18 @@ class Pipeline:
 
 
 @dataclass
+class _Checking:
+    """A candidate while check_ladder decodes it: its log-probs and changed top tokens so far, its first
+    output's logits, where its next chunk starts, and the verdict over what it decoded."""
+
+    lp: list = field(default_factory=list)
+    changed: list = field(default_factory=list)
+    first: np.ndarray | None = None
+    s: int = 0
+    v: object = None
+
+
+@dataclass
 class Checked:
     """One candidate's check (Pipeline.check_ladder): the verdict over the positions it decoded, their
     log-probs and changed top tokens, its first output's logits, and the tokens it decoded."""
@@ -348,6 +396,17 @@ def forced_tokens(n: int, first_failed: int | None, first: int = FIRST_CHUNK) ->
     if first_failed is None:
         return n
     return next(e for e in chunk_ends(n, first) if e > first_failed)
+
+
+def search_tokens(n: int, first_failed: Sequence[int | None], first: int = FIRST_CHUNK) -> int:
+    """Tokens check_ladder decodes over a ladder of candidates (smallest first) with n forced tokens each,
+    whose first failing positions are first_failed (None: passes): with more than one, every first chunk
+    in one batch, then each candidate up to the first that passes from its second chunk on."""
+    if len(first_failed) == 1:
+        return forced_tokens(n, first_failed[0], first)
+    upto = next((i + 1 for i, f in enumerate(first_failed) if f is None), len(first_failed))
+    e0 = chunk_ends(n, first)[0]
+    return sum(forced_tokens(n, f, first) for f in first_failed[:upto]) + e0 * (len(first_failed) - upto)
 
 
 def drop(probe: ProbeResult) -> tuple[float | None, list[float]]:

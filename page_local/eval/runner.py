@@ -52,7 +52,7 @@ import numpy as np
 
 from page_local.tasks import scoring
 from page_local.chat.prompts import ChatPrompter, Prompt
-from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, forced_tokens, supported
+from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, forced_tokens, search_tokens, supported
 from page_local.eval.rows import FULL, KEY_FIELDS, _jkey, read_rows, row_key
 from page_local.evictors.base import resolve_budget
 from page_local.gate import BASE_MODE, GATE_MODES, SEARCH_MODES, VERIFY_MODES
@@ -331,9 +331,11 @@ class _Run:
                 tried = [dict(B=B, budget=b, passed=bool(c.verify_open)) for B, b, c in rungs]
                 allowed = page_open or gname == "search"
                 chosen = next((r for r in rungs if r[2].verify_open and r[2].evicted), None) if allowed else None
-                # the engine checks the rungs smallest first and stops at the first that passes
-                upto = rungs.index(chosen) + 1 if chosen is not None else len(rungs)
-                forced = sum(_forced(c) or 0 for _, _, c in rungs[:upto]) if allowed else 0
+                # the engine checks every rung's first chunk in one batch, then the rungs smallest first,
+                # and stops at the first that passes
+                checked = [c for _, _, c in rungs if _forced(c) is not None]
+                forced = search_tokens(checked[0].verify_m + 1, [c.verify_changed[0] if c.verify_changed else None
+                                                                 for c in checked]) if allowed and checked else 0
                 if chosen is not None:
                     B, b, c = chosen
                     pred = det(c.committed) if c.committed is not None else full_pred

@@ -18,7 +18,7 @@ import statistics as st
 from collections import defaultdict
 
 from page_local.eval.rows import FULL, read_rows_file
-from page_local.eval.verify_rules import forced
+from page_local.eval.verify_rules import forced, search_forced
 
 
 def _rate(t: dict) -> float | None:
@@ -54,8 +54,7 @@ def summary(rows) -> dict:
             first, batch = [], []
             for d in by_input.values():
                 bs = sorted(d)
-                pick = next((b for b in bs if d[b]["evicted"]), None)
-                first.append(sum(forced(d[b]) for b in bs if pick is None or b <= pick))
+                first.append(search_forced([d[b] for b in bs]))
                 batch.append(sum(d[b]["verify_tokens"] + 1 for b in bs if forced(d[b])))
             line["search"] = dict(
                 lost=sum((r["task"], r["index"]) in right and not r["correct"] for r in search),

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from page_local.engine.turn import forced_tokens
+from page_local.engine.turn import forced_tokens, search_tokens
 from page_local.verify import verify_score
 from page_local.eval.rows import read_rows, read_rows_file
 
@@ -128,6 +128,16 @@ def forced(r: dict) -> int:
     return forced_tokens(int(r["verify_tokens"]) + 1, ch[0] if ch else None)
 
 
+def search_forced(rs: list[dict]) -> int:
+    """Tokens the engine's check decodes as gate search over these candidate rows of one input (its rungs,
+    smallest first; engine/turn.py search_tokens: every first chunk in one batch, then smallest first up
+    to the first that passes); rows not evicted or not checked take no part."""
+    rs = [r for r in rs if forced(r)]
+    if not rs:
+        return 0
+    return search_tokens(int(rs[0]["verify_tokens"]) + 1, [(r.get("verify_changed") or [None])[0] for r in rs])
+
+
 def _search_line(right: list, choice: dict, cost: dict | None = None) -> dict:
     """One line of the search table. choice: input -> (T/kept of the committed cache or None when the
     full cache was kept, the committed answer correct (None: unknown)); right: inputs right with the full
@@ -173,8 +183,7 @@ def search(rows, rule: str = "argmax", threshold: float = 0.0, cap: int = 64, ev
                         {i: forced(cands[(*i, b)]) for i in inputs} if rule == "argmax" else None)
     cost = None
     if rule == "argmax":  # smallest first, up to the committed rung
-        cost = {i: sum(forced(cands[(*i, b)]) for b in budgets if pick[i][0] is None or b <= pick[i][0])
-                for i in inputs}
+        cost = {i: search_forced([cands[(*i, b)] for b in budgets]) for i in inputs}
     return {"search": line(pick, cost), "fixed": fixed, "chosen": {t: dict(v) for t, v in sorted(chosen.items())}}
 
 
@@ -196,8 +205,7 @@ def search_recorded(rows, evictor: str = "snapkv") -> dict:
                                     for i, r in pick.items()}, cost)
 
     pick = {i: next((ver[i][b] for b in budgets if b in ver[i] and ver[i][b]["evicted"]), None) for i in inputs}
-    cost = {i: sum(forced(ver[i][b]) for b in budgets if b in ver[i] and (pick[i] is None or b <= pick[i]["budget"]))
-            for i in inputs}
+    cost = {i: search_forced([ver[i][b] for b in budgets if b in ver[i]]) for i in inputs}
     fixed = {b: line({i: ver[i][b] if ver[i].get(b, {}).get("evicted") else None for i in inputs},
                      {i: forced(ver[i][b]) for i in inputs if b in ver[i]}) for b in budgets}
     chosen: dict = defaultdict(lambda: defaultdict(int))

@@ -328,6 +328,7 @@ class Context:
         self.n_ctx = int(lc.llama_n_ctx(self.ptr))
         self.n_ubatch = int(lc.llama_n_ubatch(self.ptr))
         self.n_batch = int(lc.llama_n_batch(self.ptr))
+        self.n_seq_max = int(config.n_seq_max)
         self.page = native.PageOps(self.ptr)
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self._lc = lc
