@@ -73,6 +73,7 @@ struct out_proj {
     std::vector<ggml_context *>         ctxs;
     std::vector<ggml_backend_buffer_t>  bufs;
     std::vector<ggml_tensor *>          r;
+    std::vector<ggml_tensor *>          g;  // F32 [d_v, d_v, n_head] per layer: G_h = R_h^T R_h (symmetric)
     std::vector<ggml_tensor *>          vn;
     int64_t                             d_v = 0;
     int64_t                             n_cells = 0; // rows of vn
@@ -453,8 +454,7 @@ ggml_tensor * build_costs(ggml_context * ctx0, probe_state * st, ggml_tensor * a
     // values in F32, [d_v, n_kv, n_head_kv] and [n_kv, d_v, n_head_kv] (the cache may hold F16)
     ggml_tensor * vd = ggml_cast(ctx0, v_trans ? ggml_transpose(ctx0, v) : v, GGML_TYPE_F32);
     ggml_tensor * vt = ggml_cont(ctx0, ggml_transpose(ctx0, vd));
-    ggml_tensor * rt = ggml_cont(ctx0, ggml_transpose(ctx0, r));
-    ggml_tensor * g  = ggml_mul_mat(ctx0, rt, rt);                                        // [d_v, d_v, H] G_h
+    ggml_tensor * g  = proj->g[il];                                                       // [d_v, d_v, H] G_h
     ggml_tensor * o  = ggml_mul_mat(ctx0, vt, a);                                         // [d_v, n_q, H] head outputs
     ggml_tensor * go = ggml_mul_mat(ctx0, g, o);                                          // [d_v, n_q, H] G_h o
     ggml_tensor * on = ggml_sum_rows(ctx0, ggml_mul(ctx0, o, go));                        // [1, n_q, H]
@@ -473,8 +473,8 @@ ggml_tensor * build_costs(ggml_context * ctx0, probe_state * st, ggml_tensor * a
         const int64_t n_rep     = n_head / n_head_kv;
         ggml_tensor * rg = ggml_reshape_3d(ctx0, r, d_v, d_v * n_rep, n_head_kv);           // [d_v, d_v*n_rep, H_kv]
         ggml_tensor * rv = ggml_reshape_4d(ctx0, ggml_mul_mat(ctx0, rg, vd), d_v, n_rep, n_kv, n_head_kv);
-        ggml_tensor * sq = ggml_reshape_3d(ctx0, ggml_sum_rows(ctx0, ggml_sqr(ctx0, rv)), n_rep, n_kv, n_head_kv);
-        vn = ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, sq, 1, 0, 2, 3)), n_kv, 1, n_head); // [n_kv, 1, H]
+        ggml_tensor * sq = ggml_sum_rows(ctx0, ggml_sqr(ctx0, rv));                           // [1, n_rep, n_kv, H_kv]
+        vn = ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, sq, 1, 2, 0, 3)), n_kv, 1, n_head); // [n_kv, 1, H]
         ggml_build_forward_expand(st->build_gf, ggml_cpy(ctx0, vn, vn_cache));
     }
     d2 = ggml_add(ctx0, ggml_add(ctx0, d2, vn), on);
@@ -764,7 +764,7 @@ int32_t llama_page_set_out_proj(llama_context * ctx, const float * r, int64_t n)
             ggml_backend_buffer_type_t buft = proj_buft(model, il);
             ggml_context *& c = by_buft[buft];
             if (!c) {
-                ggml_init_params params = { ggml_tensor_overhead() * (size_t) n_layer * 2, nullptr, true };
+                ggml_init_params params = { ggml_tensor_overhead() * (size_t) n_layer * 3, nullptr, true };
                 c = ggml_init(params);
                 if (!c) {
                     throw std::runtime_error("ggml_init failed");
@@ -774,6 +774,9 @@ int32_t llama_page_set_out_proj(llama_context * ctx, const float * r, int64_t n)
             ggml_tensor * t = ggml_new_tensor_3d(c, GGML_TYPE_F32, d_v, d_v, n_head);
             ggml_format_name(t, "page_out_proj-%d", il);
             proj->r.push_back(t);
+            ggml_tensor * gt = ggml_new_tensor_3d(c, GGML_TYPE_F32, d_v, d_v, n_head);
+            ggml_format_name(gt, "page_out_proj_gram-%d", il);
+            proj->g.push_back(gt);
             ggml_tensor * vn = ggml_new_tensor_2d(c, GGML_TYPE_F32, proj->n_cells, n_head);
             ggml_format_name(vn, "page_value_norms-%d", il);
             proj->vn.push_back(vn);
@@ -786,8 +789,25 @@ int32_t llama_page_set_out_proj(llama_context * ctx, const float * r, int64_t n)
             }
             proj->bufs.push_back(buf);
         }
+        std::vector<float> gram((size_t) per_layer);
         for (int32_t il = 0; il < n_layer; ++il) {
-            ggml_backend_tensor_set(proj->r[il], r + (size_t) il * per_layer, 0, (size_t) per_layer * sizeof(float));
+            const float * rl = r + (size_t) il * per_layer;
+            ggml_backend_tensor_set(proj->r[il], rl, 0, (size_t) per_layer * sizeof(float));
+            // G_h = R_h^T R_h once here, not in every armed graph (R_h row-major: R_h[row][col] = rh[row * d_v + col])
+            for (int64_t h = 0; h < n_head; ++h) {
+                const float * rh = rl + (size_t) h * d_v * d_v;
+                float * gh = gram.data() + (size_t) h * d_v * d_v;
+                for (int64_t i = 0; i < d_v; ++i) {
+                    for (int64_t j = i; j < d_v; ++j) {
+                        double acc = 0.0;
+                        for (int64_t k = 0; k < d_v; ++k) {
+                            acc += (double) rh[k * d_v + i] * rh[k * d_v + j];
+                        }
+                        gh[i * d_v + j] = gh[j * d_v + i] = (float) acc;
+                    }
+                }
+            }
+            ggml_backend_tensor_set(proj->g[il], gram.data(), 0, (size_t) per_layer * sizeof(float));
         }
         st.proj = std::move(proj);
     } catch (const std::exception & e) {

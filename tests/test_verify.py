@@ -197,7 +197,9 @@ def test_search_decides_the_same_with_the_first_chunks_batched_or_not(engine, mo
     assert any(x["passed"] is False for x in batched.search)  # a rung failed: its first chunk was in the batch
     above = sum(x["passed"] is None for x in batched.search)
     assert batched.verify_forced == one_by_one.verify_forced + above * min(4, batched.verify_m + 1)
-    assert abs(batched.verify_delta - one_by_one.verify_delta) < 1e-3
+    # the first chunks were decoded in another batch, so their K/V (F16) round differently: the chosen
+    # candidate's mean loss moves by hundredths of a nat on this 1/4-budget copy, its verdict not at all
+    assert abs(batched.verify_delta - one_by_one.verify_delta) < 0.05
     assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))
 
 

@@ -286,7 +286,7 @@ class Pipeline:
                 score(c, self.decode(list(tokens[c.s:e]), last_pos + c.s, seq, logits="all"), c.s, e)
             tried[i] = Checked(c.v, np.asarray(c.lp), np.asarray(c.changed, dtype=bool), c.first, c.s)
             if c.v.passed:
-                for q in seqs[i + 1:]:  # the larger candidates' first chunks are not needed
+                for q in seqs[i + 1:] if batch_first else ():  # the larger candidates' first chunks
                     ctx.seq_rm(q, -1, -1)
                 if seq != 1:  # the chosen candidate becomes sequence 1 (the smaller ones are gone)
                     ctx.seq_cp(seq, 1)
