@@ -12,8 +12,8 @@ benchmarks all run these (docs/design.md §5, "One turn through the engine").
               prompt token on), which self-verification and the evaluation score before anything is
               committed
     teacher_force / greedy / verify_span   the candidate's outputs on given tokens and the check
-    check_ladder   the check over one candidate or a ladder of them, smallest first, in growing chunks
-              that stop where a candidate fails
+    check_ladder   the check over one candidate or a ladder of them: every rung's first chunk in one
+              batch, then smallest first, in growing chunks that stop where a candidate fails
 
 A Pipeline is bound to one Context and Model; it keeps nothing between turns but the output
 projection factors LORE-KV reuses.
@@ -34,8 +34,8 @@ from page_local.verify import VERIFY_RULE, logp, top_token, verify_score
 W = 32  # the probe window: the prompt's last W tokens are decoded as one batch with the probe armed
 TOP_K = 32  # per-head top-k the probe keeps for every query
 # The check's first chunk of forced tokens; each later chunk doubles (Pipeline.check_ladder). A failing
-# candidate stops at the chunk where it fails: on the committed search rows this forces 48-67 tokens per
-# input over the whole ladder, against 160-256 for every rung in full (docs/results.md, "Budget search").
+# candidate stops at the chunk where it fails: on the committed search rows this forces 35-75 tokens per
+# input over the whole ladder, against 160-260 for every rung in full (docs/results.md, "Budget search").
 FIRST_CHUNK = 4
 N_SINK = 4  # attention sinks every evictor keeps
 # Signals Pipeline.signals provides (evictors.base.NEEDS lists every known one). An evictor needing

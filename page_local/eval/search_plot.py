@@ -55,14 +55,21 @@ STYLE = {"plain": ("tab:red", "o"), "PAGE": ("tab:orange", "s"), "verify": ("tab
          "search": ("tab:green", "*")}
 
 
+PER_ROW = 4  # panels per row of the figure
+
+
 def plot(runs: list[tuple[str, list[dict]]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.8), squeeze=False)
-    for ax, (label, pts) in zip(axes[0], runs):
+    ncol = min(PER_ROW, len(runs))
+    nrow = -(-len(runs) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.8 * nrow), squeeze=False)
+    for ax in axes.flat[len(runs):]:
+        ax.set_visible(False)
+    for ax, (label, pts) in zip(axes.flat, runs):
         for gate, (color, marker) in STYLE.items():
             sel = sorted((p for p in pts if p["gate"] == gate), key=lambda p: p["compression"])
             if not sel:
