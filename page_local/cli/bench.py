@@ -91,7 +91,8 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_laye
                    "(both: every check passes); tasks: --repeats prompts of each budget-search task family, decided "
                    "as in use.")
 @click.option("--ladder", default=None, type=LadderType(),
-              help="measure gate 'search': every budget of this ladder checked in one batch (e.g. 1/16,1/8,1/4,1/2)")
+              help="measure gate 'search' over this ladder (e.g. 1/16,1/8,1/4,1/2): every rung's first chunk in one "
+                   "batch, then smallest first")
 @click.option("--evictor", default="snapkv", show_default=True, type=click.Choice(["snapkv", "lorekv-answer"]),
               help="lorekv-answer: the check also scores the prompt by the answer (one more batch)")
 @click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType(),
@@ -101,7 +102,7 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_laye
 @json_option()
 def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, budget, threads, n_gpu_layers, as_json):
     """Self-verification's extra decode as a fraction of the prefill (target <= 0.05); with --ladder, budget
-    search's (every rung at once)."""
+    search's."""
     from page_local.bench.speed import verify_cost
 
     path = resolve_model(model)
