@@ -39,12 +39,13 @@ class Decision:
     verify_top1: float | None = None  # fraction of positions the evicted cache ranks the same token first
     verify_kl_first: float | None = None  # KL(p_full || p_evicted) of the first generated token
     verify_ms: float | None = None  # the extra batch decode and the comparison
-    verify_forced: int | None = None  # tokens decoded on candidates (a failing one stops where it fails)
+    verify_forced: int | None = None  # tokens decoded on candidates (a failing one stops where it fails;
+    # search: the batched first chunks of rungs above the chosen one count too)
     lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms;
     # lorekv-answer: scoring the prompt by the answer, at the check, in verify_ms)
     gate_note: str | None = None  # a calibrated gate used far outside its pilot's prompt lengths
-    # gate "search": every rung {B, label, score, passed, forced}, smallest first; passed None: not tried
-    # (a smaller rung passed); forced: the tokens decoded on it before it passed or failed
+    # gate "search": every rung {B, label, score, passed, forced}, smallest first; passed None: not checked
+    # past its first chunk (a smaller rung passed); forced: the tokens decoded on it before it passed or failed
     search: list[dict] | None = None
     # room on demand (engine/room.py): the turn did not fit and earlier cells were evicted, unchecked
     room_evicted: int = 0  # cells of earlier turns evicted to make room (before the prompt and while answering)

@@ -328,7 +328,7 @@ class Engine(ContextPolicy):
         ctx = self.ctx
         # room kept for the answer when room is made; the verify modes also need the candidate's copy of it
         reserve = min(max_tokens, max(1, ctx.n_ctx // 4))
-        if self.gate_mode in VERIFY_MODES:  # one candidate at a time (search too: smallest first)
+        if self.gate_mode in VERIFY_MODES:  # one copy of the answer (search batches first chunks if room is left)
             reserve += min(max_tokens, self.verify_tokens) + 1
         dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
         stream.decision = dec
@@ -391,8 +391,9 @@ class Engine(ContextPolicy):
     def _verify(self, dec: Decision, plan: tuple, out: list[int], full_logits: list[np.ndarray],
                 end: int | None = None, until: str = "end") -> None:
         """Self-verified eviction: teacher-force the generated tokens on evicted copies of the sequence
-        (seq 1, sharing the prompt's cells, one at a time), smallest first and in growing chunks that stop
-        where a copy fails (Pipeline.check_ladder); commit the first copy that passes
+        (sharing the prompt's cells; every rung's first chunk in one batch when the cache has room, then one
+        at a time), smallest first and in growing chunks that stop where a copy fails (Pipeline.check_ladder);
+        commit the first copy that passes
         (one copy under verify, one per ladder rung under search). end:
         the end-of-generation token the full cache chose after out (then full_logits has one more
         entry, and the candidate must end the answer there too). Updates dec."""

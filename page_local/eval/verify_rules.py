@@ -182,7 +182,7 @@ def search(rows, rule: str = "argmax", threshold: float = 0.0, cap: int = 64, ev
         fixed[b] = line({i: (b if c else None, ok) for i, (c, ok) in dec.items()},
                         {i: forced(cands[(*i, b)]) for i in inputs} if rule == "argmax" else None)
     cost = None
-    if rule == "argmax":  # smallest first, up to the committed rung
+    if rule == "argmax":  # first chunks batched, then smallest first up to the committed rung
         cost = {i: search_forced([cands[(*i, b)] for b in budgets]) for i in inputs}
     return {"search": line(pick, cost), "fixed": fixed, "chosen": {t: dict(v) for t, v in sorted(chosen.items())}}
 
