@@ -23,6 +23,11 @@ from page_local.store import persist
 from page_local.store.home import atomic_write
 
 SAVE_FORMAT = "page-local-chat"
+# An answer's default length in `chat`. Measured on the embedded SmolLM2 (10 everyday questions, greedy,
+# docs/design.md §5.1): the answers that end did so within 14-310 tokens; the other 4 of 10 looped or
+# rambled on to any limit (768 tried). 384 keeps every ending seen, with a margin, and stops a loop
+# sooner than 512 did.
+MAX_TOKENS = 384
 
 
 @dataclass
@@ -67,7 +72,7 @@ class ChatSession:
         common = os.path.commonprefix([rendered, self._text])
         return rendered[len(common):]
 
-    def send(self, text: str, max_tokens: int = 512, sampling: Sampling | None = None) -> Stream:
+    def send(self, text: str, max_tokens: int = MAX_TOKENS, sampling: Sampling | None = None) -> Stream:
         """Stream the assistant's answer to `text` (a Stream: iterate it; .decision and .result as
         Engine.stream's).
 

@@ -196,14 +196,15 @@ def eval_report(results, out_dir, profile, as_json):
 @eval_group.command("conversations")
 @model_option
 @click.option("--n", "n", default=6, show_default=True, type=click.IntRange(min=1), help="Conversations.")
-@click.option("--turns", default=6, show_default=True, type=click.IntRange(2, 8),
-              help="Turns per conversation (a document pasted every other turn, one question each).")
+@click.option("--turns", default=6, show_default=True, type=click.IntRange(1, 8),
+              help="Turns per conversation (a document pasted every other turn, one question each); 1: the "
+                   "long-document family (one document of --lengths x --n-ctx, its question at the end).")
 @click.option("--lengths", default="1,2,4", show_default=True,
               help="Comma-separated conversation lengths, in units of --n-ctx.")
 @click.option("--n-ctx", "n_ctx", default=1024, show_default=True, type=click.IntRange(min=128),
               help="The context every policy but the full cache gets.")
 @click.option("--policies", default="full,verify,page,shift,truncate", show_default=True,
-              help="Comma-separated among full, verify, page, room, shift, truncate "
+              help="Comma-separated among full, verify, page, room, room-recent, shift, truncate, refuse "
                    "(page_local/eval/conversations.py says what each does).")
 @click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType(),
               help="page-local's speed budget: a share of the conversation.")
@@ -221,7 +222,7 @@ def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, max_to
                        threads, quiet, n_gpu_layers, allow_long_context):
     """Multi-turn chats over long documents at 1x, 2x and 4x n_ctx: the full cache, page-local, llama.cpp's
     context shift and Ollama's truncation on the same conversations; then the report (run it again to resume)."""
-    from page_local.eval.conversations import POLICIES, run_conversations
+    from page_local.eval.conversations import ALL_POLICIES, run_conversations
     from page_local.eval.conversations_report import write_report
 
     try:
@@ -231,9 +232,10 @@ def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, max_to
     if not length_list or any(not L > 0 for L in length_list):
         raise click.BadParameter("give lengths above 0, e.g. 1,2,4", param_hint="'--lengths'")
     policy_list = _csv(policies)
-    bad = [p for p in policy_list if p not in POLICIES]
+    bad = [p for p in policy_list if p not in ALL_POLICIES]
     if bad or not policy_list:
-        raise click.BadParameter(f"unknown policies {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}",
+        raise click.BadParameter(f"unknown policies {', '.join(bad) or '(none)'}; choose from "
+                                 f"{', '.join(ALL_POLICIES)}",
                                  param_hint="'--policies'")
     if out is None:
         name = Path(str(model)).stem if model else "default"

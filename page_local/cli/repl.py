@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from page_local.chat.session import ChatSession
+from page_local.chat.session import MAX_TOKENS, ChatSession
 from page_local.engine import narrate
 from page_local.cli.common import parse_budget
 from page_local.engine import Decision, Result, Sampling
@@ -34,7 +34,6 @@ from page_local.errors import ChatFileError, ChatTemplateError, ContextFull, Pag
 from page_local.native.runtime import describe_placement
 from page_local.store.home import page_local_home
 
-MAX_TOKENS = 512  # chat answers run longer than `run`'s (defaults.MAX_TOKENS)
 MAX_READ_BYTES = 16 * 1024 * 1024  # /read refuses larger files before reading them
 SETTINGS = ("budget", "evictor", "gate", "verify_tokens", "on_full", "temperature", "max_tokens")
 

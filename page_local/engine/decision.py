@@ -54,6 +54,8 @@ class Decision:
     prompt_tokens: int | None = None  # this turn's prompt tokens (set when room was made)
     prompt_held: int | None = None  # of them, how many the cache holds after prefill
     gaps_closed: int = 0  # positions the cells moved down to stay inside the trained context
+    room_ranking: str | None = None  # what ranked the cells evicted to make room: question | recent (room.py)
+    room_probe_ms: float = 0.0  # decoding the message's last W tokens to rank them (W per eviction), ms
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -35,7 +35,7 @@ import numpy as np
 
 from page_local import defaults
 from page_local.engine.decision import Decision, Result, Sampling
-from page_local.engine.room import ContextPolicy, check_on_full
+from page_local.engine.room import ANSWER_ROOM, ContextPolicy, check_on_full
 from page_local.engine.turn import AFTER_ANSWER, FIRST_CHUNK, N_SINK, W, Pipeline, supported
 from page_local.errors import ContextFull, EngineBusy, StateFileError
 from page_local.evictors import get_evictor
@@ -326,10 +326,13 @@ class Engine(ContextPolicy):
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         toks = self._tokens(prompt, add_special)
         ctx = self.ctx
-        # room kept for the answer when room is made; the verify modes also need the candidate's copy of it
-        reserve = min(max_tokens, max(1, ctx.n_ctx // 4))
+        # room kept for the answer when room is made: a normal answer's, not max_tokens' (never upfront: an
+        # answer that grows past it makes room from earlier turns then); the verify modes also need the
+        # candidate's copy of it
+        reserve = min(max_tokens, max(1, ctx.n_ctx // 4), ANSWER_ROOM)
         if self.gate_mode in VERIFY_MODES:  # one copy of the answer (search batches first chunks if room is left)
             reserve += min(max_tokens, self.verify_tokens) + 1
+        start = len(self.history)  # where this message begins: an answer never evicts it to make room
         dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
         stream.decision = dec
 
@@ -355,9 +358,10 @@ class Engine(ContextPolicy):
                     break
                 pos = ctx.seq_pos_max(0) + 1
                 if used + 1 > ctx.n_ctx or pos >= limit:
-                    # the answer outgrew the context: make room as before a message (never while a
-                    # verification is pending: its candidate shares these cells)
-                    if plan is not None or self.on_full != "evict" or not self._room_for_answer(dec, reserve):
+                    # the answer outgrew the context: make room from earlier turns, never from the
+                    # message it answers (never while a verification is pending: its candidate shares
+                    # these cells); when nothing else can go, the answer ends here
+                    if plan is not None or self.on_full != "evict" or not self._room_for_answer(dec, reserve, start):
                         finish = "context"
                         break
                     used, pos = self.cells_used(), ctx.seq_pos_max(0) + 1

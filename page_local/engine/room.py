@@ -4,15 +4,28 @@ The speed budget (Engine.budget) is verified eviction for speed. This module is 
 eviction because the alternative is refusing the message. When the conversation's cells plus the
 next message and room for its answer would pass n_ctx, the earlier conversation is evicted down to
 a low-water mark (LOW_WATER of n_ctx) so that the next turns fit without evicting again, and a
-message longer than the context is prefilled in chunks with this eviction between them (the last
-chunk carries the question, so the turn's own eviction stays query-aware).
+message longer than the context is prefilled in parts with this eviction between them.
+
+What ranks the cells (ROOM_RANKINGS): "question", the default, ranks them by the queries the next
+tokens will ask with: the message's own last W tokens (its question, and the template's turn end)
+are decoded after the cells they are to rank, with the probe armed, read, and removed again (never
+kept: the message is then prefilled at the positions it would have had). So a document read in parts
+keeps what its question asks about, and a new chat message keeps the earlier turns it refers to. The
+cost is W tokens decoded per eviction (docs/design.md §5.1). "recent" is the earlier ranking (the
+conversation's newest W queries: for a document, the previous part's own text), kept to compare.
+
+Never upfront: the room made for an answer before its message is read is a normal answer's
+(ANSWER_ROOM, or max_tokens if fewer), not max_tokens'; a message that fits whole, with MIN_ANSWER
+cells to spare once earlier turns are evicted, is never evicted itself; only a longer one is read in
+parts. An answer that outgrows the context may evict earlier turns, never the message it answers:
+when nothing else can go it ends (finish "context").
 
 Why it is not self-verified: verification compares the evicted cache with the full one on the
 answer, and here the full one cannot hold the message: there is no reference to check against.
 It protects structure instead, as the measured failure of global caps asks (arXiv 2605.18053): the
 sinks, the system prompt (Engine.n_keep), every control token (the chat template's turn
-boundaries) and the latest RECENT of n_ctx; the rest is ranked by SnapKV's score under the
-conversation's newest W queries (the engine's evictor when it needs nothing but the probe).
+boundaries) and the latest RECENT of n_ctx; the rest is ranked by SnapKV's score (the engine's
+evictor when it needs nothing but the probe).
 
 Positions: eviction leaves gaps, and every turn appends after the highest position, so a long chat
 walks past the model's trained context while its cells still fit. close_gaps renumbers the held
@@ -23,20 +36,34 @@ from __future__ import annotations
 
 import numpy as np
 
+import time
+
 from page_local.engine.decision import Decision
-from page_local.engine.turn import N_SINK, W, Prefilled
+from page_local.engine.turn import N_SINK, TOP_K, W
 from page_local.errors import ContextFull
 from page_local.evictors import get_evictor
+from page_local.evictors.base import EvictionInput
 
 LOW_WATER = 0.5  # after making room, the earlier conversation holds at most this fraction of n_ctx
 RECENT = 0.125  # the conversation's latest tokens protected while making room, as a fraction of n_ctx
 RECENT_MAX = 512
 ON_FULL = ("evict", "refuse")
+ROOM_RANKINGS = ("question", "recent")  # what ranks the cells room-making evicts (see above)
+MIN_ANSWER = 64  # a message is read whole (never evicted) when it fits with this many answer cells to spare
+# the answer's room made before a message (from earlier turns; from the message only when it is longer than
+# the context): a normal answer's, not max_tokens' (Engine passes min(max_tokens, n_ctx/4, ANSWER_ROOM))
+ANSWER_ROOM = 256
 
 
 def check_on_full(mode: str) -> str:
     if mode not in ON_FULL:
         raise ValueError(f"on_full must be one of {', '.join(ON_FULL)}; got {mode!r}")
+    return mode
+
+
+def check_room_ranking(mode: str) -> str:
+    if mode not in ROOM_RANKINGS:
+        raise ValueError(f"room ranking must be one of {', '.join(ROOM_RANKINGS)}; got {mode!r}")
     return mode
 
 
@@ -99,11 +126,20 @@ class ContextPolicy:
     """The Engine's side of the policy above (Engine derives from it): fitting a turn that does not fit,
     making room, and closing gaps. It works on the Engine's own state (ctx, history, _pos, pipeline)."""
 
+    room_ranking = ROOM_RANKINGS[0]  # what ranks the cells room-making evicts (set_room_ranking)
+
+    def set_room_ranking(self, mode: str) -> None:
+        """'question' (the default: the message's own last W tokens rank the cells) or 'recent' (the
+        conversation's newest queries, the earlier ranking, kept to compare)."""
+        self.room_ranking = check_room_ranking(mode)
+
     def _fit_and_prefill(self, toks: list[int], reserve: int, evict_now: bool,
                          select: bool = True) -> tuple[Decision, tuple | None]:
         """Prefill a turn that may not fit: refuse (on_full "refuse"), or make room by evicting earlier
-        turns, and prefill a message longer than the context in chunks with room made between them.
-        Interrupted or failed, the conversation is left as it was before the message."""
+        turns, and prefill a message longer than the context in parts with room made between them.
+        reserve: the answer's room wanted; only earlier turns give it, unless the message itself is longer
+        than the context (then at most ANSWER_ROOM of it). Interrupted or failed, the conversation is left
+        as it was before the message."""
         ctx, n_ctx = self.ctx, self.ctx.n_ctx
         used = self.cells_used()
         fits = used + len(toks) + reserve + 1 <= n_ctx
@@ -112,27 +148,35 @@ class ContextPolicy:
                 raise ContextFull(used, len(toks) + 1, n_ctx)
             return self._prefill_and_gate(toks, evict_now=evict_now, select=select)
         before = self.snapshot() if self.history else None
-        room = {"evicted": 0, "chunks": 1, "closed": 0, "from": None}
+        room = _room()
+        question = list(toks[-W:]) if self.room_ranking == "question" else None
         try:
-            cap = n_ctx - 1 - reserve  # cells for the conversation and this message before its answer
             held, tokens = self._held_tokens()
             # cells that can never go: sinks, the system prompt, turn boundaries (no "latest turns" share)
             hard = int(protected(held, tokens, self.n_keep, 0, self.model.is_control).sum())
-            if hard + W + N_SINK + 4 > cap:
-                raise ContextFull(used, len(toks) + 1, n_ctx)
-            size = max(W + 1, (cap - hard) // 2)  # a chunk: half of what room-making can free
-            parts = _chunks(toks, size) if used + len(toks) + reserve + 1 > n_ctx and len(toks) > size else [toks]
+            if hard + len(toks) + 1 + min(reserve, MIN_ANSWER) <= n_ctx:
+                # it fits whole once earlier turns go: never evicted itself (never upfront, for an answer
+                # that may stay short); its answer gets what earlier turns can give, up to reserve
+                answer = max(0, min(reserve, n_ctx - 1 - hard - len(toks) - 4))
+                parts = [toks]
+            else:
+                answer = reserve
+                cap = n_ctx - 1 - answer  # cells for the conversation and this message before its answer
+                if hard + W + N_SINK + 4 > cap:
+                    raise ContextFull(used, len(toks) + 1, n_ctx)
+                size = max(W + 1, (cap - hard) // 2)  # a part: half of what room-making can free
+                parts = _chunks(toks, size) if len(toks) > size else [toks]
             probe = None
             for part in parts[:-1]:
-                self._make_room(len(part), room, probe)
+                self._make_room(len(part), room, probe, question)
                 self._close_gaps(len(part), room)
                 pos0 = ctx.seq_pos_max(0) + 1
-                probe = self.pipeline.prefill(part, pos0, 0).probe  # its newest queries rank the next room
+                probe = self.pipeline.prefill(part, pos0, 0).probe  # "recent": its newest queries rank the next room
                 self.history.extend(part)
                 self._pos.extend(range(pos0, pos0 + len(part)))
             room["chunks"] = len(parts)
-            self._make_room(len(parts[-1]) + reserve, room, probe)
-            self._close_gaps(len(parts[-1]) + reserve, room)
+            self._make_room(len(parts[-1]) + answer, room, probe, question)
+            self._close_gaps(len(parts[-1]) + answer, room)
             dec, plan = self._prefill_and_gate(parts[-1], evict_now=evict_now, select=select)
         except BaseException:
             self.reset()
@@ -141,8 +185,7 @@ class ContextPolicy:
             raise
         prompt_pos = np.asarray(self._pos[len(self.history) - len(toks):], dtype=np.int64)
         dec.prompt_tokens, dec.prompt_held = len(toks), int(np.isin(prompt_pos, self.ctx.page.positions(0)).sum())
-        dec.room_evicted, dec.chunks, dec.gaps_closed = room["evicted"], room["chunks"], room["closed"]
-        dec.room_from = room["from"]
+        self._tell_room(dec, room)
         return dec, plan
 
     def _pos_limit(self) -> int:
@@ -155,30 +198,41 @@ class ContextPolicy:
         idx = np.searchsorted(np.asarray(self._pos, dtype=np.int64), held)
         return held, np.asarray(self.history, dtype=np.int64)[idx] if held.size else np.zeros(0, np.int64)
 
-    def _make_room(self, need: int, room: dict, probe=None) -> None:
-        """Evict earlier cells (room.py) so that `need` more fit; ContextFull when the protected ones
-        alone leave too little."""
+    def _make_room(self, need: int, room: dict, probe=None, question: list[int] | None = None,
+                   floor: int | None = None, want: int = 0) -> None:
+        """Evict earlier cells so that `need` more fit (and, as far as the low-water mark allows, `want`
+        more); ContextFull when the protected ones alone leave too little. question: the tokens whose
+        queries rank the cells (None: the conversation's newest, or `probe`'s). floor: positions from it on
+        are never evicted (the message an answer answers, and the answer so far)."""
         ctx, n_ctx = self.ctx, self.ctx.n_ctx
         held, tokens = self._held_tokens()
-        if held.size + need + 1 <= n_ctx:
+        if held.size + need + want + 1 <= n_ctx:
             return
-        target = target_cells(n_ctx, need)
+        hard = protected(held, tokens, self.n_keep, 0, self.model.is_control)
         prot = protected(held, tokens, self.n_keep, n_ctx, self.model.is_control)
+        if floor is not None:
+            hard |= held >= floor
+            prot |= held >= floor
+        target = target_cells(n_ctx, need + want)
         if prot.sum() > target:  # the latest turns are protected only as long as there is room for them
-            prot = protected(held, tokens, self.n_keep, 0, self.model.is_control)
-        if prot.sum() + 4 > target:
+            prot = hard
+        n_prot = int(prot.sum())
+        # before a message: refused when what may not go passes the low-water target (the message would
+        # keep too little of itself); for an answer (floor): every earlier cell may go if it must
+        if n_prot + need + 1 > n_ctx or (floor is None and n_prot + 4 > target):
             raise ContextFull(int(held.size), need + 1, n_ctx)
-        if probe is None or not np.isin(probe.queries, held).all():
-            win = window_of(held)  # re-decode the newest queries with the probe armed
-            ctx.seq_rm(0, int(win[0]), -1)
-            probe = self.pipeline.prefill(tokens[-win.size:].tolist(), int(win[0]), 0).probe
-        ev = self._evictor if self._evictor.needs <= {"probe"} else get_evictor("snapkv")
-        pre = Prefilled(probe=probe, held=held, logits=np.zeros(0, np.float32), prefill_attention=None)
-        # the evictor ranks the unprotected cells; what it keeps of the protected ones costs it nothing
-        keep = np.union1d(self.pipeline.select(ev, pre, target - int(prot.sum()) + W + N_SINK, {}, self.seed),
-                          held[prot])
-        drop = np.setdiff1d(held, keep, assume_unique=True)
-        if drop.size:
+        n_rank = max(target, n_prot) - n_prot  # unprotected cells kept
+        cand = held[~prot]
+        if n_rank < cand.size:
+            if n_rank:
+                ev = self._evictor if self._evictor.needs <= {"probe"} else get_evictor("snapkv")
+                probe = self._ranking_probe(held, tokens, probe, question, room)
+                # the evictor ranks the unprotected cells only: the protected ones cost it nothing
+                inp = EvictionInput(held=cand, budget=n_rank, window=np.zeros(0, np.int32), n_sink=0, probe=probe,
+                                    seed=self.seed)
+                drop = np.setdiff1d(cand, ev.select(inp), assume_unique=True)
+            else:
+                drop = cand
             ctx.page.evict(0, drop)
             if self.compact:
                 ctx.page.compact(0)
@@ -188,17 +242,63 @@ class ContextPolicy:
         if self.cells_used() + need + 1 > n_ctx:
             raise ContextFull(self.cells_used(), need + 1, n_ctx)
 
-    def _room_for_answer(self, dec: Decision, reserve: int) -> bool:
-        """Make room while the answer is generated; True when there is room for one more token."""
-        room = {"evicted": 0, "chunks": 1, "closed": 0, "from": None}
+    def _ranking_probe(self, held: np.ndarray, tokens: np.ndarray, probe, question: list[int] | None, room: dict):
+        """The probe whose queries rank the held cells. With a question: its tokens are decoded right after
+        the held cells with the probe armed (as many as free cells allow), read, and removed again: the
+        cache is as before. Otherwise (or with no free cell): `probe` if its queries are still held, else the
+        conversation's newest W tokens re-decoded with the probe armed."""
+        ctx = self.ctx
+        pos0 = ctx.seq_pos_max(0) + 1
+        n = min(len(question or ()), ctx.n_ctx - 1 - int(held.size))
+        if n > 0 and pos0 + n < self._pos_limit():
+            t0 = time.perf_counter()
+            try:
+                ctx.page.arm_probe(0, TOP_K)
+                ctx.decode(list(question[-n:]), pos0, 0)
+                probe = ctx.page.read_probe()
+            except BaseException:
+                ctx.page.disarm_probe()
+                raise
+            finally:
+                ctx.seq_rm(0, pos0, -1)  # never kept
+            room["probes"] += 1
+            room["probe_ms"] += (time.perf_counter() - t0) * 1e3
+            room["ranking"] = "question"
+            return probe
+        room["ranking"] = room["ranking"] or "recent"
+        if probe is None or not np.isin(probe.queries, held).all():
+            win = window_of(held)  # re-decode the newest queries with the probe armed
+            ctx.seq_rm(0, int(win[0]), -1)
+            probe = self.pipeline.prefill(tokens[-win.size:].tolist(), int(win[0]), 0).probe
+        return probe
+
+    def _room_for_answer(self, dec: Decision, reserve: int, start: int) -> bool:
+        """Make room while the answer is generated, from earlier turns only: the message it answers
+        (history[start:]) and the answer so far are never evicted. True when there is room for one more
+        token; False when nothing else can go (the answer then ends, finish "context")."""
+        room = _room()
         try:
-            self._make_room(reserve, room)
+            self._make_room(1, room, floor=self._pos[start] if start < len(self._pos) else None, want=reserve)
         except ContextFull:
             return False
         self._close_gaps(reserve, room)
-        dec.room_evicted += room["evicted"]
-        dec.gaps_closed += room["closed"]
+        self._tell_room(dec, room, add=True)
         return self.cells_used() + 1 <= self.ctx.n_ctx and self.ctx.seq_pos_max(0) + 1 < self._pos_limit()
+
+    @staticmethod
+    def _tell_room(dec: Decision, room: dict, add: bool = False) -> None:
+        """Copy what room-making did into the Decision (add: on top of what the prefill did)."""
+        if add:
+            dec.room_evicted += room["evicted"]
+            dec.gaps_closed += room["closed"]
+            if room["from"] is not None:
+                f = dec.room_from
+                dec.room_from = room["from"] if f is None else (min(f[0], room["from"][0]), max(f[1], room["from"][1]))
+        else:
+            dec.room_evicted, dec.chunks, dec.gaps_closed = room["evicted"], room["chunks"], room["closed"]
+            dec.room_from = room["from"]
+        dec.room_ranking = dec.room_ranking or room["ranking"]
+        dec.room_probe_ms += room["probe_ms"]
 
     def _close_gaps(self, need: int, room: dict) -> None:
         """Renumber the held cells 0..n-1 when `need` more positions would pass the trained context."""
@@ -210,3 +310,9 @@ class ContextPolicy:
             ctx.seq_add(0, p0, p1, delta)
         room["closed"] += int(held[-1]) + 1 - int(held.size) if held.size else 0
         self._pos = renumber(np.asarray(self._pos, dtype=np.int64), held).tolist()
+
+
+def _room() -> dict:
+    """What one room-making did: cells evicted, parts, positions closed, the range evicted, how the cells
+    were ranked and what the question's probe decodes cost."""
+    return {"evicted": 0, "chunks": 1, "closed": 0, "from": None, "ranking": None, "probes": 0, "probe_ms": 0.0}

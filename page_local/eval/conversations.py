@@ -8,12 +8,22 @@ three turns earlier, with other documents in between. The documents share FILL x
 of the whole conversation (answers included), so that at 1x it fits the context with its last answer
 and at 2x and 4x it outgrows it (at 4x with n_ctx 1024 each document is longer than the context).
 
-Policies (POLICIES), on the same conversations, model and greedy answers of at most max_tokens:
+One turn (turns=1) is the long-document family: a single message, a document of length x n_ctx holding
+NEEDLES_PER_DOC needles (at 5-30 %, 35-65 % and 70-95 % of its depth) and the question about one of them at
+its end, as `/read doc.txt QUESTION` sends it.
+
+Policies (POLICIES; COMPARE_POLICIES on request), on the same conversations, model and greedy answers
+of at most max_tokens:
 * full      the full cache: one context large enough for the longest conversation, nothing evicted
 * verify    page-local as a user gets it: the speed budget (a share of the conversation), SnapKV, the
             verify gate, and room on demand at the wall (engine/room.py)
 * page      the same with the PAGE gate (the raw rule, or the model's calibrated profile if stored)
-* room      room on demand alone (gate never: the speed budget never evicts)
+* room      room on demand alone (gate never: the speed budget never evicts), its evictions ranked by
+            the message's own question (engine/room.py, the default)
+* room-recent  the same, ranked as before issue 28: by the conversation's newest queries (for a
+            document read in parts, the previous part's own text)
+* refuse    llama-server's answer to a prompt over the context: 400 (on_full "refuse": the turn is
+            refused and scored wrong)
 * shift     llama.cpp's context shift (examples/main, `--keep`): when the next message and its answer
             do not fit, keep the first n_keep tokens (the system prompt and the first turn's header,
             the same tokens page-local protects), drop the oldest half of the rest, repeat until it
@@ -54,6 +64,9 @@ from page_local.tasks import synthetic
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
 POLICIES = ("full", "verify", "page", "room", "shift", "truncate")
+# for comparisons only (not in a default run): room ranked as before issue 28, and llama-server's 400
+COMPARE_POLICIES = ("room-recent", "refuse")
+ALL_POLICIES = POLICIES + COMPARE_POLICIES
 DEFAULT_POLICIES = ("full", "verify", "page", "shift", "truncate")
 NEEDLES_PER_DOC = 3
 FILL = 0.9  # the conversation's planned tokens, as a fraction of length x n_ctx
@@ -127,8 +140,8 @@ def build_conversation(index: int, turns: int, length: float, n_ctx: int, count_
                        measure: Callable[[list[dict]], int], seed: int = 42) -> Conversation:
     """Conversation `index` (a pure function of the arguments). count_tokens: text -> tokens (sizes the
     prose); measure: messages -> tokens of the rendered chat (sizes the whole conversation)."""
-    if not 2 <= turns <= 8:
-        raise ValueError(f"turns must be in [2, 8], got {turns!r}")
+    if not 1 <= turns <= 8:
+        raise ValueError(f"turns must be in [1, 8], got {turns!r}")
     if not length > 0:
         raise ValueError(f"length must be > 0 (a multiple of n_ctx), got {length!r}")
     rng = _rng(seed, index)
@@ -322,7 +335,8 @@ class Sizer:
 def set_policy(eng: Engine, policy: str) -> Engine:
     """Set an engine for a policy: its gate and what it does at the wall (the rest is the runner's)."""
     eng.set_gate({"verify": "verify", "page": "page"}.get(policy, "never"))
-    eng.on_full = "evict" if policy in ("verify", "page", "room") else "refuse"
+    eng.on_full = "evict" if policy in ("verify", "page", "room", "room-recent") else "refuse"
+    eng.set_room_ranking("recent" if policy == "room-recent" else "question")
     return eng
 
 
@@ -370,9 +384,9 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
     context holds the longest conversation: max(lengths) x n_ctx and the answers."""
     from page_local.store.gguf import gguf_metadata, model_identity
 
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in ALL_POLICIES]
     if bad or not policies:
-        raise ValueError(f"unknown policies {bad or '(none)'}; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policies {bad or '(none)'}; choose from {', '.join(ALL_POLICIES)}")
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 128:
         raise ValueError(f"n_ctx must be an int >= 128, got {n_ctx!r}")
     if not lengths or any(not L > 0 for L in lengths):

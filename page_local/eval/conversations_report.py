@@ -16,14 +16,16 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from page_local.eval.conversations import POLICIES
+from page_local.eval.conversations import ALL_POLICIES
 from page_local.eval.report import _plt, _table
 from page_local.eval.rows import read_rows
 
 LABEL = {"full": "full cache", "verify": "page-local (verify)", "page": "page-local (PAGE)",
-         "room": "page-local (room only)", "shift": "context shift (llama.cpp)", "truncate": "truncation (Ollama)"}
+         "room": "page-local (room only)", "room-recent": "room, ranked as before issue 28",
+         "shift": "context shift (llama.cpp)", "truncate": "truncation (Ollama)", "refuse": "400 (llama-server)"}
 STYLE = {"full": ("black", "-"), "verify": ("tab:green", "-"), "page": ("tab:blue", "--"),
-         "room": ("tab:olive", ":"), "shift": ("tab:orange", "-."), "truncate": ("tab:red", "--")}
+         "room": ("tab:olive", ":"), "room-recent": ("tab:brown", ":"), "shift": ("tab:orange", "-."),
+         "truncate": ("tab:red", "--"), "refuse": ("tab:gray", "-")}
 
 
 def _mean(xs) -> float | None:
@@ -49,7 +51,7 @@ def _wall_words(policy: str, rows: list[dict]) -> str:
     at = [r for r in rows if r.get("wall") and r.get("finish") != "refused"]
     refused = sum(r.get("finish") == "refused" for r in rows)
     d = [r.get("detail") or {} for r in at]
-    if policy in ("verify", "page", "room"):
+    if policy in ("verify", "page", "room", "room-recent"):
         speed = sum(bool((r.get("detail") or {}).get("speed_evicted")) for r in rows)
         words = [f"room made on {len(at)}/{len(rows)} turns"]
         if at:
@@ -59,7 +61,7 @@ def _wall_words(policy: str, rows: list[dict]) -> str:
             held = _mean(x["prompt_held"] / x["prompt_tokens"] for x in chunked if x.get("prompt_tokens"))
             words.append(f"{len(chunked)} messages read in {_mean(x['chunks'] for x in chunked):.1f} chunks, "
                          f"{100 * held:.0f}% of them held")
-        if policy != "room":
+        if policy not in ("room", "room-recent"):
             words.append(f"speed budget committed on {speed} turns")
     elif policy == "shift":
         words = [f"shifted on {len(at)}/{len(rows)} turns"]
@@ -76,6 +78,8 @@ def _wall_words(policy: str, rows: list[dict]) -> str:
         cut = [x["message_cut"] for x in d if x.get("message_cut")]
         if cut:
             words.append(f"{len(cut)} messages cut to their tail ({_mean(cut):.0f} tokens lost)")
+    elif policy == "refuse":
+        words = [] if refused else ["every message fit"]
     else:
         words = ["never at the wall (the context holds the whole conversation)"]
     if refused:
@@ -87,7 +91,7 @@ def summarize(rows: list[dict]) -> dict:
     rows = [r for r in rows if r.get("kind") == "conversation"]
     if not rows:
         raise ValueError("no conversation rows")
-    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    policies = [p for p in ALL_POLICIES if any(r["policy"] == p for r in rows)]
     lengths = sorted({r["length"] for r in rows})
     turns = max(r["turns"] for r in rows)
     by = defaultdict(list)

@@ -1,0 +1,121 @@
+"""Room that keeps what the question needs (issue 28): a message longer than the context is read in parts
+whose evictions are ranked by the message's own question; an answer never evicts the message it answers;
+a prompt that fits with its answer is never evicted upfront. Real SmolLM2 for what the model answers, a
+tiny random model for the cell bookkeeping of long prompts and answers that run to the wall."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tiny_model as tm
+from page_local import ChatSession, Engine
+from page_local.eval.conversations import _prose
+
+THREADS = 2
+FACT = "The vault combination for the north archive is 8841."
+QUESTION = "What is the vault combination for the north archive?"
+
+
+def message_positions(eng: Engine, start: int, n: int) -> np.ndarray:
+    return np.asarray(eng._pos[start: start + n], dtype=np.int64)
+
+
+# --- the REPL example: /read doc.txt What is the vault combination ...? -------------------------------------
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    with Engine(smollm2_path, n_ctx=1024, threads=THREADS) as eng:  # chat's defaults otherwise
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def vault_message(smol):
+    """A document of ~1.1 x n_ctx with the fact at 18 % of its depth, then the question (as /read sends it)."""
+    count = lambda t: len(smol.model.tokenize(t))  # noqa: E731
+    sents = _prose(int(smol.n_ctx * 1.1), 0, count, 0)
+    k = int(len(sents) * 0.18)
+    return " ".join(sents[:k] + [FACT] + sents[k:]) + "\n\n" + QUESTION
+
+
+@pytest.mark.parametrize("ranking", ["question", "recent"], ids=["question-ranks-the-room", "todays-ranking"])
+def test_a_document_longer_than_the_context_keeps_what_its_question_asks(smol, vault_message, ranking):
+    """The document is read in parts; ranked by its question the fact survives and is answered, ranked by
+    the previous part's own text (the earlier ranking) it is evicted on this input. The question's probe
+    cells are temporary: the message sits at the positions it would have had, and nothing else is held."""
+    smol.set_room_ranking(ranking)
+    try:
+        chat = ChatSession(smol)
+        turn = chat.send(vault_message, max_tokens=16)
+        answer = "".join(turn)
+    finally:
+        smol.set_room_ranking("question")
+    d = turn.decision
+    assert d.chunks >= 2 and d.room_evicted > 0 and d.prompt_held < d.prompt_tokens
+    assert d.room_ranking == ranking and (d.room_probe_ms > 0) == (ranking == "question")
+    held = smol.ctx.page.positions(0)
+    assert np.isin(held, smol._pos).all()  # no temporary cell left behind
+    assert smol._pos == list(range(len(smol.history)))  # positions unchanged: the probe decodes took none
+    if ranking == "question":
+        assert "8841" in answer, answer
+    else:
+        assert "8841" not in answer, answer  # what query-aware ranking fixes
+
+
+def test_the_ranking_is_validated(smol):
+    with pytest.raises(ValueError, match="room ranking must be one of question, recent; got 'oldest'"):
+        smol.set_room_ranking("oldest")
+    assert smol.room_ranking == "question"
+
+
+# --- never upfront, never the message it answers ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    w = tm.write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_ctx_train=8192)
+    return w.path
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 290, size=n).tolist()
+
+
+def test_a_prompt_that_fits_is_never_evicted_and_the_answer_ends_at_the_wall(tiny):
+    """A 3 900-token prompt at n_ctx 4096 with max_tokens = n_ctx (what serve passes without max_tokens): no
+    room is reserved upfront, every prompt cell is kept, and the answer ends at the context's end."""
+    with Engine(tiny, n_ctx=4096, gate="never", budget=1.0, threads=THREADS) as eng:
+        s = eng.stream(prompt(3900, 0), max_tokens=4096)
+        list(s)
+        d, r = s.decision, s.result
+        assert d.room_evicted == 0 and d.chunks == 1
+        assert np.isin(np.arange(3900), eng.ctx.page.positions(0)).all()  # every prompt cell
+        assert r.finish_reason == "context", r.finish_reason
+        assert eng.cells_used() == eng.n_ctx and len(r.tokens) == eng.n_ctx - 3900
+
+
+def test_an_answer_evicts_earlier_turns_never_the_message_it_answers(tiny):
+    with Engine(tiny, n_ctx=512, gate="never", budget=1.0, threads=THREADS) as eng:
+        list(eng.stream(prompt(200, 1), max_tokens=8))
+        start = len(eng.history)
+        s = eng.stream(prompt(250, 2), max_tokens=400)
+        list(s)
+        d, r = s.decision, s.result
+        msg = message_positions(eng, start, 250)
+        held = eng.ctx.page.positions(0)
+        assert np.isin(msg, held).all()  # the message it answers: every cell
+        assert np.isin(np.asarray(eng._pos[start + 250:]), held).all()  # and the answer
+        assert d.room_evicted > 0 and d.room_from[1] < msg[0]  # room came from the earlier turn only
+        assert r.finish_reason == "context" and len(r.tokens) < 400  # then nothing else could go
+
+
+def test_a_message_that_fits_whole_takes_the_answers_room_from_earlier_turns(tiny):
+    """Fits only if earlier turns make room for its answer: they do, the message itself is read whole."""
+    with Engine(tiny, n_ctx=512, gate="never", budget=1.0, threads=THREADS) as eng:
+        list(eng.stream(prompt(150, 3), max_tokens=8))
+        start = len(eng.history)
+        s = eng.stream(prompt(320, 4), max_tokens=64)
+        list(s)
+        d = s.decision
+        assert d.chunks == 1 and d.prompt_held == d.prompt_tokens == 320 and d.room_evicted > 0
+        assert d.room_ranking == "question" and d.room_from[1] < eng._pos[start]
+
