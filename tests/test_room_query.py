@@ -119,3 +119,22 @@ def test_a_message_that_fits_whole_takes_the_answers_room_from_earlier_turns(tin
         assert d.chunks == 1 and d.prompt_held == d.prompt_tokens == 320 and d.room_evicted > 0
         assert d.room_ranking == "question" and d.room_from[1] < eng._pos[start]
 
+
+
+# --- the long-document family of `eval conversations` (turns=1) ------------------------------------------------
+
+def test_one_turn_is_a_document_longer_than_the_context_with_its_question_last():
+    from page_local.eval import conversations as cv
+
+    words = lambda t: len(t.split())  # noqa: E731
+    measure = lambda msgs: sum(words(m["content"]) + 4 for m in msgs)  # noqa: E731
+    convs = [cv.build_conversation(i, 1, 2.0, 512, words, measure, seed=3) for i in range(6)]
+    for c in convs:
+        (turn,) = c.turns
+        assert turn.doc == 0 and turn.fact.doc == 0
+        assert turn.user.endswith(cv.QUESTION.format(key=turn.fact.key))
+        assert f"for {turn.fact.key} is: {turn.fact.value}." in turn.user
+        assert c.planned_tokens > 1.5 * 512  # longer than the context
+    assert len({round(c.turns[0].fact.depth, 1) for c in convs}) >= 2  # the asked fact's depth varies
+    with pytest.raises(ValueError, match="turns must be in"):
+        cv.build_conversation(0, 0, 2.0, 512, words, measure)
