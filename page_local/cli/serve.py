@@ -33,6 +33,49 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def read_keys(keys: tuple[str, ...], key_file) -> list[str]:
+    """The server's API keys: each --api-key, then the file's (one a line; blank lines and # comments
+    skipped), in order, once each. UsageError naming a key's line for one that cannot be sent."""
+    found = [(k, "--api-key") for k in keys]
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.UsageError(f"cannot read --api-key-file {key_file}: {e}") from None
+        listed = [(line.strip(), f"{key_file}:{i}") for i, line in enumerate(lines, 1)]
+        listed = [(k, where) for k, where in listed if k and not k.startswith("#")]
+        if not listed:
+            raise click.UsageError(f"--api-key-file {key_file} holds no key (one key a line)")
+        found += listed
+    for key, where in found:
+        if not key.isascii() or not key.isprintable() or " " in key or not key:
+            raise click.UsageError(f"the API key from {where} must be printable ASCII without spaces "
+                                   "(it is sent in an HTTP header)")
+    return list(dict.fromkeys(k for k, _ in found))
+
+
+def check_names(allow_hosts: tuple[str, ...], cors_origins: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """--allow-host names and --cors-origin origins, normalized as the guards compare them."""
+    from page_local.serve.guards import host_name, origin_of
+
+    hosts = []
+    for h in allow_hosts:
+        name = "*" if h == "*" else host_name(h)
+        if name is None or (name != "*" and ("/" in h or "://" in h)):
+            raise click.UsageError(f"--allow-host {h!r} is not a host name or address: give a name like my-pc.lan "
+                                   "or an address like 192.168.1.20 (no scheme, no path)")
+        hosts.append(name)
+    origins = []
+    for o in cors_origins:
+        origin = origin_of(o)
+        if origin is None:
+            raise click.UsageError(f"--cors-origin {o!r} is not a web origin: give scheme://host[:port] as the "
+                                   "browser shows it (http://localhost:3000), or '*' for any")
+        origins.append(origin)
+    return hosts, origins
+
+
 def served_name(path) -> str:
     """The id clients send as "model": the registry name of the file (`smollm2`, ...), else its stem."""
     from page_local.store import models
@@ -53,8 +96,14 @@ def served_name(path) -> str:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --api-key.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--api-key", "api_key", envvar="PAGE_LOCAL_API_KEY", default=None, metavar="KEY",
-              help="Require `Authorization: Bearer KEY` on every route but /health (default: $PAGE_LOCAL_API_KEY).")
+@click.option("--api-key", "api_keys", envvar="PAGE_LOCAL_API_KEY", multiple=True, metavar="KEY",
+              help="Require `Authorization: Bearer KEY` on every route but /health (repeatable: each key sees only "
+                   "its own cached conversations; default: $PAGE_LOCAL_API_KEY, keys separated by spaces).")
+@click.option("--api-key-file", "api_key_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="More keys, one a line (blank lines and # comments skipped); as --api-key.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="Another name clients reach the server by, allowed in the Host header (repeatable; '*' for any). "
+                   "Always allowed: localhost, 127.0.0.1, [::1] and the --host address.")
 @click.option("--parallel", default=1, show_default=True, type=click.IntRange(1, 64),
               help="Requests served at once: one engine (context) per slot over the same GGUF file.")
 @click.option("--queue", default=16, show_default=True, type=click.IntRange(0, 4096),
@@ -66,13 +115,17 @@ def served_name(path) -> str:
 @click.option("--max-body-kb", "max_body_kb", default=2048, show_default=True, type=click.IntRange(1),
               help="Request bodies over this size get 413.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
-              help="Allow browser pages from ORIGIN (repeatable; '*' for any). CORS is off without it.")
+              help="Allow web pages from ORIGIN, e.g. http://localhost:3000 (repeatable; '*' for any). Without it a "
+                   "request from another site's page is refused (403), and no CORS headers are sent.")
 def serve_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers, allow_long_context,
-              host, port, api_key, parallel, queue, cache_mb, max_tokens_limit, max_body_kb, cors_origins):
+              host, port, api_keys, api_key_file, allow_hosts, parallel, queue, cache_mb, max_tokens_limit,
+              max_body_kb, cors_origins):
     """An OpenAI-compatible HTTP server on this machine: /v1/chat/completions, /v1/completions,
     /v1/models, /health. Conversations a client resends are not prefilled again."""
     show_llama_log()
-    if not is_loopback(host) and not api_key:
+    keys = read_keys(api_keys, api_key_file)
+    allow_hosts, cors_origins = check_names(allow_hosts, cors_origins)
+    if not is_loopback(host) and not keys:
         raise click.UsageError(f"--host {host} is reachable from other machines: give an --api-key "
                                "(or $PAGE_LOCAL_API_KEY), or bind 127.0.0.1")
     try:
@@ -92,12 +145,16 @@ def serve_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, threa
                         verify_tokens=verify_tokens, on_full=on_full, threads=threads, n_gpu_layers=n_gpu_layers,
                         allow_long_context=allow_long_context, parallel=parallel, queue=queue,
                         cache_bytes=cache_mb * 2**20, max_tokens_limit=max_tokens_limit or 0,
-                        max_body_bytes=max_body_kb * 1024, api_key=api_key, cors_origins=list(cors_origins))
+                        max_body_bytes=max_body_kb * 1024, api_keys=keys, cors_origins=cors_origins,
+                        host=host, allow_hosts=allow_hosts)
     backend = Backend(settings)
     server = uvicorn.Server(uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
                                            access_log=False, lifespan="on", timeout_graceful_shutdown=3))
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"page-local serve: http://{shown}:{port}/v1 (model {name}); loading", err=True)
+
+    said_keys = ("no API key" if not keys else "1 API key" if len(keys) == 1
+                 else f"{len(keys)} API keys (a conversation cache each)")
 
     def on_ready():  # in the loading thread: said once the model is loaded and the port is bound
         while not (server.started or server.should_exit or backend.state == "closed"):
@@ -107,7 +164,7 @@ def serve_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, threa
         for w in backend.warnings:
             click.echo(f"warning: {w}", err=True)
         click.echo(f"page-local serve: ready: {parallel} slot{'s' if parallel > 1 else ''}, n_ctx {n_ctx}, "
-                   f"gate {gate}, budget {budget}, evictor {evictor}, on full: {on_full}" + ("" if api_key else ", no API key"), err=True)
+                   f"gate {gate}, budget {budget}, evictor {evictor}, on full: {on_full}, {said_keys}", err=True)
 
     def on_error(message: str):
         server.should_exit = True

@@ -6,6 +6,10 @@
     POST /v1/completions          plain text, streamed or not
     GET  /v1/page_local/stats     slots, queue, conversation cache, counts, resident memory
 
+Before a route sees a request, guards.py checks its Host, its Origin (a web page's), its key and,
+for a POST, that it is JSON; a request is refused with 503 while the queue is full before its body
+is read.
+
 The event loop never runs the engine: a request waits for a slot (slots.SlotPool), then runs in
 that slot's thread (backend.Turn) while the loop relays its events. A client that goes away stops
 its generation within one token; its slot is free again as soon as the slot's thread lets go.
@@ -14,15 +18,21 @@ its generation within one token; its slot is free again as soon as the slot's th
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from contextlib import asynccontextmanager
 
 from page_local.serve import protocol
 from page_local.serve.backend import Backend, Turn
+from page_local.serve.guards import (
+    NO_KEY,
+    HostGuard,
+    HostPolicy,
+    JsonOnly,
+    KeyGuard,
+    OriginGuard,
+    OriginPolicy,
+)
 from page_local.serve.protocol import ApiError
-
-OPEN_PATHS = {"/health", "/v1/health"}  # what a launcher polls before it has a key to send
 
 
 class _Gone(Exception):
@@ -33,28 +43,6 @@ def error_response(e: ApiError):
     from starlette.responses import JSONResponse
 
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-class KeyGuard:
-    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY` (compared in constant time)."""
-
-    def __init__(self, app, key: str | None):
-        self.app, self.key = app, key.encode() if key else None
-
-    async def __call__(self, scope, receive, send):
-        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        given = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                given = value
-        scheme, _, token = given.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-            why = "no API key was sent" if not given else "the API key is wrong"
-            e = ApiError(401, f"{why}: send the server's key as `Authorization: Bearer KEY`", "invalid_api_key",
-                         headers={"WWW-Authenticate": "Bearer"})
-            return await error_response(e)(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 async def _read_body(request, limit: int) -> bytes:
@@ -147,8 +135,11 @@ def create_app(backend: Backend):
         return ApiError(404, f"the model {name!r} is not served here; this server serves {s.served_name!r}",
                         "model_not_found", "model")
 
+    def namespace(request) -> str:
+        return getattr(request.state, "namespace", NO_KEY)
+
     async def stats(request):
-        return JSONResponse(backend.stats())
+        return JSONResponse(backend.stats(namespace(request)))
 
     async def chat(request):
         return await complete(request, "chat")
@@ -158,14 +149,16 @@ def create_app(backend: Backend):
 
     async def complete(request, kind: str):
         ready()
+        backend.pool.admit()  # a full queue refuses the request before its body is read
         job = protocol.parse_job(protocol.parse_json(await _read_body(request, s.max_body_bytes)), kind,
                                  backend.max_tokens_limit)
+        job.namespace = namespace(request)
         if job.model and job.model not in backend.names:
             raise _unknown_model(job.model)
         tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
         rid, created = protocol.new_id(kind), protocol.now()
         try:
-            slot = await _unless_gone(request, backend.pool.acquire(tokens))
+            slot = await _unless_gone(request, backend.pool.acquire(tokens, job.namespace))
         except _Gone:
             return Response(status_code=499)
         turn = Turn(backend, slot, job, tokens, n_keep)
@@ -214,11 +207,17 @@ def create_app(backend: Backend):
                    Route(f"{prefix}/chat/completions", chat, methods=["POST"]),
                    Route(f"{prefix}/completions", completions, methods=["POST"]),
                    Route(f"{prefix}/page_local/stats", stats, methods=["GET"])]
-    middleware = []
-    if s.cors_origins:  # off unless asked for; outside the key guard, so that preflights get through
+    hosts = HostPolicy(s.host, s.allow_hosts)
+    middleware = [Middleware(HostGuard, policy=hosts),
+                  Middleware(OriginGuard, policy=OriginPolicy(s.cors_origins, hosts))]
+    if s.cors_origins:  # off unless asked for; outside the key guard, so that preflights get through, and
+        # around it, so that an allowed page can read a 401 or 415; any header (the SDKs send their own),
+        # and Chrome's private network preflight (a public site calling this loopback server) for these
+        # origins only
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(s.cors_origins),
-                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
-    middleware.append(Middleware(KeyGuard, key=s.api_key))
+                                     allow_methods=["GET", "POST"], allow_headers=["*"],
+                                     expose_headers=["Retry-After"], allow_private_network=True))
+    middleware += [Middleware(KeyGuard, keys=s.keys), Middleware(JsonOnly)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                      exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                          Exception: on_internal})

@@ -55,8 +55,16 @@ class Settings:
     cache_bytes: int = 512 * 2**20  # conversation snapshots in host RAM
     max_tokens_limit: int = 0  # 0: n_ctx
     max_body_bytes: int = 2 * 2**20
-    api_key: str | None = None
-    cors_origins: list[str] = field(default_factory=list)
+    api_key: str | None = None  # one key (the same as api_keys=[key])
+    api_keys: list[str] = field(default_factory=list)  # each key its own namespace of conversations
+    cors_origins: list[str] = field(default_factory=list)  # web origins allowed to call ("*": any)
+    host: str | None = None  # the address bound; None (an app served by someone else): no Host check
+    allow_hosts: list[str] = field(default_factory=list)  # more names the Host header may give ("*": any)
+
+    @property
+    def keys(self) -> list[str]:
+        keys = list(self.api_keys) + ([self.api_key] if self.api_key else [])
+        return list(dict.fromkeys(keys))  # in order, once each: a key's namespace is its place here
 
 
 class Backend:
@@ -178,14 +186,19 @@ class Backend:
             cancel: threading.Event) -> None:
         """One request on `slot`, in the slot's thread: the request's overrides applied (and the slot's
         settings put back after), the best cached conversation put in place, the rest prefilled and the
-        answer streamed as events. A set `cancel` stops it within one generated token."""
+        answer streamed as events. A set `cancel` stops it within one generated token. Only a request that
+        ends (answered, or stopped by `cancel`) updates the slot's bookkeeping: one refused in its overrides
+        leaves the slot as it was, one that fails later makes the slot forget its conversation."""
         eng = slot.engine
         slot.cancel = cancel
         saved = (eng.gate_mode, eng.budget, eng.evictor, eng.verify_tokens, eng.on_full)
         reuse = None
+        placed = finished = False
+        last = None  # the request's last event, sent once the slot's bookkeeping is done
         try:
-            self._apply(eng, job)
-            reuse = slot.prepare(tokens)
+            self._apply(eng, job)  # a refused override changes nothing: the slot's conversation is as it was
+            placed = True
+            reuse = slot.prepare(tokens, job.namespace)
             tail = tokens[reuse.tokens:]
             eng.n_keep = n_keep
             from page_local.engine.engine import Sampling
@@ -208,42 +221,48 @@ class Backend:
             res = stream.result
             use = usage(len(tokens), len(res.tokens), reuse.tokens)
             self._count(use, cancelled=cancel.is_set())
-            emit(("done", {"finish": finish_reason(res.finish_reason, scanner.stopped), "usage": use,
-                           "page_local": self._extension(res, reuse, eng)}))
+            finished = True
+            last = ("done", {"finish": finish_reason(res.finish_reason, scanner.stopped), "usage": use,
+                             "page_local": self._extension(res, reuse, eng)})
         except ContextFull as e:
             self._count(None)
             n = reuse.tokens if reuse else 0
-            emit(("error", ApiError(
+            last = ("error", ApiError(
                 400, f"the conversation does not fit in the context: it is {len(tokens)} tokens ({n} reused from "
                      f"the cache); {e.used} cells are in use and {e.needed} more are needed, but n_ctx is {e.n_ctx}. "
                      "Nothing was dropped (on_full is \"refuse\"): shorten the conversation, let the server "
                      "make room (page_local.on_full \"evict\") or start it with a larger --n-ctx",
-                "context_length_exceeded", "messages" if job.kind == "chat" else "prompt")))
+                "context_length_exceeded", "messages" if job.kind == "chat" else "prompt"))
         except ApiError as e:
             self._count(None)
-            emit(("error", e))
+            last = ("error", e)
         except RemoteLost as e:  # an --rpc server stopped answering: this slot's model cannot run on
             self._count(None)
             log.error("slot %d: %s", slot.index, e)
-            emit(("error", ApiError(503, f"{e}. Restart page-local serve once the RPC server is back.",
-                                    "rpc_server_lost")))
+            last = ("error", ApiError(503, f"{e}. Restart page-local serve once the RPC server is back.",
+                                      "rpc_server_lost"))
         except EngineBusy as e:  # not expected: one thread drives each engine
             self._count(None)
-            emit(("error", ApiError(503, str(e), "server_busy", headers={"Retry-After": "1"})))
+            last = ("error", ApiError(503, str(e), "server_busy", headers={"Retry-After": "1"}))
         except ValueError as e:  # the engine refusing an input (a budget too small for the prompt, ...)
             self._count(None)
-            emit(("error", bad(str(e))))
+            last = ("error", bad(str(e)))
         except Exception as e:
             self._count(None)
             log.exception("request failed in slot %d", slot.index)
-            emit(("error", ApiError(500, f"{type(e).__name__}: {e}", "internal_error")))
+            last = ("error", ApiError(500, f"{type(e).__name__}: {e}", "internal_error"))
         finally:
             slot.cancel = None
             try:
                 self._restore(eng, saved)
-                slot.settle(len(tokens))
+                if finished:
+                    slot.settle(len(tokens))
+                elif placed:  # failed once its conversation was being put in place
+                    slot.forget()
             except Exception:
                 log.exception("could not restore slot %d after a request", slot.index)
+        if last is not None:  # after the bookkeeping: a client's next request finds the slot as it is
+            emit(last)
 
     @staticmethod
     def _apply(eng, job: Job) -> None:
@@ -302,9 +321,12 @@ class Backend:
             self.counts["completion_tokens"] += use["completion_tokens"]
 
     # --- how it is doing -----------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self, namespace: str = "") -> dict:
+        """How the server is doing. A slot's history_tokens (the length of its conversation) is shown only
+        to the namespace the conversation belongs to (null to others)."""
         return {"state": self.state,
-                "slots": [{"index": s.index, "busy": s.busy, "history_tokens": len(s.engine.history)}
+                "slots": [{"index": s.index, "busy": s.busy,
+                           "history_tokens": len(s.engine.history) if s.owner == namespace else None}
                           for s in self.slots],
                 "queue": {"waiting": self.pool.waiting if self.pool else 0, "max": self.settings.queue},
                 "cache": {"snapshots": len(self.cache), "bytes": self.cache.nbytes, "cap_bytes": self.cache.cap,

@@ -27,8 +27,10 @@ EXTENSION_FIELDS = ("gate", "budget", "evictor", "verify_tokens", "on_full")
 class ApiError(Exception):
     """An HTTP error in the OpenAI envelope: {"error": {"message", "type", "code", "param"}}."""
 
-    TYPES: ClassVar[dict[int, str]] = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 503: "server_busy_error"}
+    TYPES: ClassVar[dict[int, str]] = {400: "invalid_request_error", 401: "authentication_error",
+                                       403: "permission_error", 404: "not_found_error",
+                                       405: "invalid_request_error", 413: "invalid_request_error",
+                                       415: "invalid_request_error", 503: "server_busy_error"}
 
     def __init__(self, status: int, message: str, code: str, param: str | None = None,
                  headers: dict | None = None):
@@ -73,6 +75,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     overrides: Overrides = field(default_factory=Overrides)
+    namespace: str = ""  # whose conversation cache the request may reuse: its API key's (guards.KeyGuard)
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -80,7 +83,10 @@ class Job:
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:  # the C decoder's depth check (about 1000 levels), not a crash
+        raise bad("the request body nests arrays or objects too deeply to be read; no request field nests more "
+                  "than a few levels", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
         raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")

@@ -22,6 +22,11 @@ about eviction:
 
 Before a live conversation is rewound for another conversation it is snapshotted (unless the
 divergence is inside its last answer, which is the same conversation going on).
+
+Each conversation belongs to a namespace: the API key its requests came with (guards.KeyGuard), or
+one namespace on a server without keys. A request is matched only against its own namespace's
+conversations, live or snapshot, so what it reuses (cached_tokens, the time to its first token) says
+nothing about what another key's clients wrote.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from page_local.serve.guards import NO_KEY
 from page_local.serve.protocol import ApiError
 
 
@@ -59,6 +65,7 @@ class Cached:
 
     snap: object  # store.persist.Snapshot
     answer_from: int
+    namespace: str = NO_KEY  # whose conversation it is (only that namespace's requests reuse it)
 
     @property
     def history(self):
@@ -104,11 +111,13 @@ class SnapshotCache:
             item = self._items.get(key)
             return item.answer_from if item is not None else 0
 
-    def best(self, tokens: list[int]) -> tuple[int, int | None]:
-        """(common prefix length, key) of the snapshot sharing the longest prefix with tokens."""
+    def best(self, tokens: list[int], namespace: str = NO_KEY) -> tuple[int, int | None]:
+        """(common prefix length, key) of the namespace's snapshot sharing the longest prefix with tokens."""
         with self._lock:
             found = (0, None)
             for key, item in self._items.items():
+                if item.namespace != namespace:
+                    continue
                 n = usable_prefix(item.history, tokens, item.answer_from, item.evicted)
                 if n > found[0]:
                     found = (n, key)
@@ -152,21 +161,25 @@ class Slot:
         self.index, self.engine, self.cache = index, engine, cache
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"page-local-slot{index}")
         self.answer_from = 0  # history index where the live conversation's last answer began
+        self.owner = NO_KEY  # the namespace of the live conversation
         self.evicted = False  # the live conversation's cache was evicted by some turn
         self.last_used = 0.0
         self.busy = False
         self.cancel: threading.Event | None = None  # the running request's, for shutdown
 
-    def live_prefix(self, tokens: list[int]) -> int:
+    def live_prefix(self, tokens: list[int], namespace: str = NO_KEY) -> int:
+        if namespace != self.owner:
+            return 0
         return usable_prefix(self.engine.history, tokens, self.answer_from, self.evicted)
 
     # --- in the slot's thread ----------------------------------------------------------------
-    def prepare(self, tokens: list[int]) -> Reuse:
-        """Put the best cached conversation in the engine, rewound so that tokens[reuse:] is what is
-        left to prefill (at least one token: the engine needs a token to decode before sampling)."""
+    def prepare(self, tokens: list[int], namespace: str = NO_KEY) -> Reuse:
+        """Put the namespace's best cached conversation in the engine, rewound so that tokens[reuse:] is
+        what is left to prefill (at least one token: the engine needs a token to decode before sampling).
+        Another namespace's live conversation is snapshotted (as its own) and replaced."""
         eng = self.engine
-        n_live = self.live_prefix(tokens)
-        n_snap, key = self.cache.best(tokens)
+        n_live = self.live_prefix(tokens, namespace)
+        n_snap, key = self.cache.best(tokens, namespace)
         source, evicted = ("live" if n_live else "none"), self.evicted
         if n_snap > n_live:
             # taken before the live one goes in, which could push it out of the cap; a request that does
@@ -189,6 +202,7 @@ class Slot:
             eng.rewind(n)  # rewind(0) resets
         if n == 0:
             self.answer_from, self.evicted = 0, False
+        self.owner = namespace
         return Reuse(n, source if n else "none", evicted and n > 0)
 
     def _push_out(self, keep: int) -> None:
@@ -196,7 +210,7 @@ class Slot:
         last answer (the same conversation going on) or nothing would be lost."""
         eng = self.engine
         if len(eng.history) > keep and keep < self.answer_from:
-            self.cache.put(Cached(eng.snapshot(), self.answer_from))
+            self.cache.put(Cached(eng.snapshot(), self.answer_from, self.owner))
 
     def settle(self, n_prompt: int) -> None:
         """After a request: where the live conversation's last answer began (n_prompt, if the prompt
@@ -204,6 +218,12 @@ class Slot:
         eng = self.engine
         self.answer_from = min(n_prompt, len(eng.history))
         self.evicted = eng.cells_used() < len(eng.history)
+
+    def forget(self) -> None:
+        """After a request that failed once its conversation was in place: the engine may hold a half
+        prefilled prompt, or a cache evicted under that request's own settings; nobody reuses it."""
+        self.answer_from, self.evicted = 0, False
+        self.engine.rewind(0)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
@@ -213,8 +233,9 @@ class Slot:
 class SlotPool:
     """The slots and a bounded FIFO of requests waiting for one; used on the event loop only.
 
-    acquire() gives a free slot at once (the one whose live conversation shares the longest prefix
-    with the request), else waits in line; ApiError 503 with Retry-After when the line is full."""
+    acquire() gives a free slot at once (the one whose live conversation, in the request's namespace,
+    shares the longest prefix with the request), else waits in line; ApiError 503 with Retry-After
+    when the line is full. admit() says so before the request is even read."""
 
     def __init__(self, slots: list[Slot], queue_max: int):
         self.slots = slots
@@ -226,13 +247,20 @@ class SlotPool:
     def waiting(self) -> int:
         return sum(1 for f in self._waiting if not f.done())
 
-    async def acquire(self, tokens: list[int]) -> Slot:
+    def admit(self) -> None:
+        """503 now if a request arriving now could neither run nor wait: checked before its body is read."""
+        if not self._free and self.waiting >= self.queue_max:
+            raise self._busy()
+
+    def _busy(self) -> ApiError:
+        return ApiError(503, f"the server is busy: {len(self.slots)} request(s) running and {self.queue_max} "
+                             "waiting; retry shortly", "server_busy", headers={"Retry-After": "1"})
+
+    async def acquire(self, tokens: list[int], namespace: str = NO_KEY) -> Slot:
         if self._free:
-            return self._take(tokens)
+            return self._take(tokens, namespace)
         if self.waiting >= self.queue_max:
-            raise ApiError(503, f"the server is busy: {len(self.slots)} request(s) running and "
-                                f"{self.queue_max} waiting; retry shortly", "server_busy",
-                           headers={"Retry-After": "1"})
+            raise self._busy()
         fut = asyncio.get_running_loop().create_future()
         self._waiting.append(fut)
         try:
@@ -242,8 +270,8 @@ class SlotPool:
                 self.release(fut.result())
             raise
 
-    def _take(self, tokens: list[int]) -> Slot:
-        slot = max(self._free, key=lambda s: (s.live_prefix(tokens), -s.last_used))
+    def _take(self, tokens: list[int], namespace: str) -> Slot:
+        slot = max(self._free, key=lambda s: (s.live_prefix(tokens, namespace), -s.last_used))
         self._free.remove(slot)
         slot.busy = True
         return slot
