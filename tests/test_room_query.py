@@ -66,6 +66,9 @@ def test_the_ranking_is_validated(smol):
     with pytest.raises(ValueError, match="room ranking must be one of question, recent; got 'oldest'"):
         smol.set_room_ranking("oldest")
     assert smol.room_ranking == "question"
+    with pytest.raises(ValueError, match="evictor 'tova' needs last_query, which room-making does not provide"):
+        smol.set_room_evictor("tova")
+    assert smol.room_evictor.name == "snapkv" and smol.room_evictor.pool == "avg"  # the default: pooled SnapKV
 
 
 # --- never upfront, never the message it answers ---------------------------------------------------------------
@@ -80,10 +83,17 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 290, size=n).tolist()
 
 
-def test_a_prompt_that_fits_is_never_evicted_and_the_answer_ends_at_the_wall(tiny):
+def never_ending(eng: Engine, monkeypatch) -> Engine:
+    """A random model may sample its end-of-generation token anywhere: here an answer runs to the wall."""
+    monkeypatch.setattr(eng.model, "is_eog", lambda tok: False)
+    return eng
+
+
+def test_a_prompt_that_fits_is_never_evicted_and_the_answer_ends_at_the_wall(tiny, monkeypatch):
     """A 3 900-token prompt at n_ctx 4096 with max_tokens = n_ctx (what serve passes without max_tokens): no
     room is reserved upfront, every prompt cell is kept, and the answer ends at the context's end."""
     with Engine(tiny, n_ctx=4096, gate="never", budget=1.0, threads=THREADS) as eng:
+        never_ending(eng, monkeypatch)
         s = eng.stream(prompt(3900, 0), max_tokens=4096)
         list(s)
         d, r = s.decision, s.result
@@ -93,8 +103,9 @@ def test_a_prompt_that_fits_is_never_evicted_and_the_answer_ends_at_the_wall(tin
         assert eng.cells_used() == eng.n_ctx and len(r.tokens) == eng.n_ctx - 3900
 
 
-def test_an_answer_evicts_earlier_turns_never_the_message_it_answers(tiny):
+def test_an_answer_evicts_earlier_turns_never_the_message_it_answers(tiny, monkeypatch):
     with Engine(tiny, n_ctx=512, gate="never", budget=1.0, threads=THREADS) as eng:
+        never_ending(eng, monkeypatch)
         list(eng.stream(prompt(200, 1), max_tokens=8))
         start = len(eng.history)
         s = eng.stream(prompt(250, 2), max_tokens=400)
@@ -105,7 +116,7 @@ def test_an_answer_evicts_earlier_turns_never_the_message_it_answers(tiny):
         assert np.isin(msg, held).all()  # the message it answers: every cell
         assert np.isin(np.asarray(eng._pos[start + 250:]), held).all()  # and the answer
         assert d.room_evicted > 0 and d.room_from[1] < msg[0]  # room came from the earlier turn only
-        assert r.finish_reason == "context" and len(r.tokens) < 400  # then nothing else could go
+        assert r.finish_reason == "context" and eng.cells_used() == eng.n_ctx  # then nothing else could go
 
 
 def test_a_message_that_fits_whole_takes_the_answers_room_from_earlier_turns(tiny):
@@ -138,3 +149,15 @@ def test_one_turn_is_a_document_longer_than_the_context_with_its_question_last()
     assert len({round(c.turns[0].fact.depth, 1) for c in convs}) >= 2  # the asked fact's depth varies
     with pytest.raises(ValueError, match="turns must be in"):
         cv.build_conversation(0, 0, 2.0, 512, words, measure)
+
+
+@pytest.mark.parametrize("ranking, words", [("question", "what your message asks"), ("recent", "newest tokens")],
+                         ids=["question", "recent"])
+def test_why_says_what_ranked_the_room(ranking, words):
+    from page_local.engine import narrate
+    from tests.fakes import decision
+
+    d = decision(T=4404, B=4404, kept=4046, open=False, evicted=False, gate_mode="verify", rule="raw", D=0.02,
+                 room_evicted=358, room_from=(4, 2900), chunks=3, prompt_tokens=4404, prompt_held=4046,
+                 room_ranking=ranking)
+    assert words in narrate.why(d)

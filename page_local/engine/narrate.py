@@ -171,4 +171,9 @@ def why(d: Decision) -> str:
                  "no longer fits, so there is no full cache to check the answer against.")
         if d.room_from is not None:
             text += f" The evicted cells were at positions {d.room_from[0]}-{d.room_from[1]}."
+        if d.room_ranking == "question":
+            text += (" They were chosen by what your message asks: its last tokens were read with the probe "
+                     "first, and the cells they attend to least went.")
+        elif d.room_ranking == "recent":
+            text += " They were chosen by the conversation's newest tokens (room ranking 'recent')."
     return f"What happened: {status(d)}.\n{text}\n{note}\nThe engine's record: {d.reason}."

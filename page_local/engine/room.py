@@ -12,7 +12,8 @@ are decoded after the cells they are to rank, with the probe armed, read, and re
 kept: the message is then prefilled at the positions it would have had). So a document read in parts
 keeps what its question asks about, and a new chat message keeps the earlier turns it refers to. The
 cost is W tokens decoded per eviction (docs/design.md §5.1). "recent" is the earlier ranking (the
-conversation's newest W queries: for a document, the previous part's own text), kept to compare.
+conversation's newest W queries: for a document, the previous part's own text; the engine's evictor,
+unpooled), kept to compare.
 
 Never upfront: the room made for an answer before its message is read is a normal answer's
 (ANSWER_ROOM, or max_tokens if fewer), not max_tokens'; a message that fits whole, with MIN_ANSWER
@@ -24,8 +25,8 @@ Why it is not self-verified: verification compares the evicted cache with the fu
 answer, and here the full one cannot hold the message: there is no reference to check against.
 It protects structure instead, as the measured failure of global caps asks (arXiv 2605.18053): the
 sinks, the system prompt (Engine.n_keep), every control token (the chat template's turn
-boundaries) and the latest RECENT of n_ctx; the rest is ranked by SnapKV's score (the engine's
-evictor when it needs nothing but the probe).
+boundaries) and the latest RECENT of n_ctx; the rest is ranked by SnapKV's score pooled over
+neighbouring positions (ROOM_EVICTOR; set_room_evictor for another that reads only the probe).
 
 Positions: eviction leaves gaps, and every turn appends after the highest position, so a long chat
 walks past the model's trained context while its cells still fit. close_gaps renumbers the held
@@ -49,6 +50,12 @@ RECENT = 0.125  # the conversation's latest tokens protected while making room, 
 RECENT_MAX = 512
 ON_FULL = ("evict", "refuse")
 ROOM_RANKINGS = ("question", "recent")  # what ranks the cells room-making evicts (see above)
+# The evictor that ranks them: SnapKV's score, averaged over 15 neighbouring positions (SnapKV's own
+# pooling; PAGE's speed budget uses none). Without it the question's queries keep a needle's key words and
+# lose the digits after them: in 2 long documents whose fact SmolLM2 answered with the full cache, plain
+# SnapKV kept 3 and 2 of the value's 8 tokens, pooled 8 and 6 (one answered). Any evictor that needs only
+# the probe can replace it (set_room_evictor).
+ROOM_EVICTOR = ("snapkv", {"pool": "avg", "kernel": 15})
 MIN_ANSWER = 64  # a message is read whole (never evicted) when it fits with this many answer cells to spare
 # the answer's room made before a message (from earlier turns; from the message only when it is longer than
 # the context): a normal answer's, not max_tokens' (Engine passes min(max_tokens, n_ctx/4, ANSWER_ROOM))
@@ -127,6 +134,23 @@ class ContextPolicy:
     making room, and closing gaps. It works on the Engine's own state (ctx, history, _pos, pipeline)."""
 
     room_ranking = ROOM_RANKINGS[0]  # what ranks the cells room-making evicts (set_room_ranking)
+    _room_evictor = None  # set_room_evictor; None: ROOM_EVICTOR
+
+    def set_room_evictor(self, name: str, **options) -> None:
+        """The evictor that ranks the cells room-making evicts; it may need nothing but the probe."""
+        ev = get_evictor(name, **options)
+        if not ev.needs <= {"probe"}:
+            raise ValueError(f"evictor {name!r} needs {', '.join(sorted(ev.needs - {'probe'}))}, which room-making "
+                             "does not provide; choose one that reads only the probe (snapkv, pyramidkv, "
+                             "streamingllm, random)")
+        self._room_evictor = ev
+
+    @property
+    def room_evictor(self):
+        if self._room_evictor is None:
+            name, options = ROOM_EVICTOR
+            self._room_evictor = get_evictor(name, **options)
+        return self._room_evictor
 
     def set_room_ranking(self, mode: str) -> None:
         """'question' (the default: the message's own last W tokens rank the cells) or 'recent' (the
@@ -225,7 +249,9 @@ class ContextPolicy:
         cand = held[~prot]
         if n_rank < cand.size:
             if n_rank:
-                ev = self._evictor if self._evictor.needs <= {"probe"} else get_evictor("snapkv")
+                # "recent" is the ranking as it was: the engine's evictor (if it reads only the probe), unpooled
+                ev = self.room_evictor if self.room_ranking == "question" else (
+                    self._evictor if self._evictor.needs <= {"probe"} else get_evictor("snapkv"))
                 probe = self._ranking_probe(held, tokens, probe, question, room)
                 # the evictor ranks the unprotected cells only: the protected ones cost it nothing
                 inp = EvictionInput(held=cand, budget=n_rank, window=np.zeros(0, np.int32), n_sink=0, probe=probe,
