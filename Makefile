@@ -15,6 +15,9 @@ BUILD    := build
 CACHE    := $(HOME)/.cache/page-local
 JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 export CCACHE_DIR ?= $(CACHE)/ccache
+# paths under the checkout are hashed relative to the compiler's folder: another build folder beside build/
+# (the pip-install test's build-pip-test/, a second clone) reuses the compiled objects
+export CCACHE_BASEDIR ?= $(CURDIR)
 # the build tools (cmake, ninja, ccache) come from the venv
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
@@ -74,11 +77,19 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-venv
 chat: setup
 	$(BIN)/page-local chat
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file per process at a time so that its
+# module-scoped models and servers are made once; most tests run llama.cpp on one thread, so on 2 cores two
+# files at once use both (tests/conftest.py keeps llama.cpp's waiting threads from spinning). TEST_WORKERS=0:
+# one process.
+TEST_WORKERS ?= $(JOBS)
+PYTEST := PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q \
+          $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup
-	PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: setup
-	PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # >= 1000 hypothesis examples of random cache operations on a tiny model (a fast subset runs in `make test`)
 fuzz: setup
@@ -114,7 +125,7 @@ bench-peer: setup $(VENV)/.stamp-peer
 	$(BIN)/page-local bench peer $(PEER_ARGS)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) build-pip-test
 
 distclean: clean
 	rm -rf $(VENV)

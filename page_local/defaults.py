@@ -12,3 +12,8 @@ THREADS = 2
 MAX_TOKENS = 256
 ON_FULL = "evict"  # a turn that does not fit evicts earlier turns (engine/room.py); "refuse" raises ContextFull
 LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2)  # the budgets gate mode "search" tries, smallest first
+# the attention path and KV cache type (engine/attention.py): "auto" is page-local's measured choice
+FLASH_ATTN = ("auto", "on", "off")
+CACHE_TYPES = ("f16", "q8_0", "q4_0")
+FLASH_ENV = "PAGE_LOCAL_FLASH_ATTN"  # what --flash-attn sets for a command
+CACHE_ENV = "PAGE_LOCAL_CACHE_TYPE"  # what --cache-type sets

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+# `make test` runs test files in parallel processes (pytest-xdist). llama.cpp's CPU threads meet at an
+# OpenMP barrier after every op; libgomp's waiting threads spin by default, and with two processes' threads
+# on 2 cores a spinning waiter holds the core its peer needs (a decode step then takes 10-100x as long).
+# Passive waiting sleeps instead. Set before the library is first loaded (nothing loads it at import);
+# servers and other children inherit it. No test is timed, so what it costs a single process does not matter.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import pytest
 from click.testing import CliRunner

@@ -150,8 +150,15 @@ BENCHES = {
               lambda r: r["tokens"] == 64 and len(r["unarmed_runs"]) == len(r["armed_runs"]) == 1),
     "decode": (["--tokens", "160", "--new-tokens", "2", "--repeats", "1"],
                {"tokens", "budget", "kept", "new_tokens", "full_tok_s", "evicted_tok_s", "speedup", "gate_ms",
-                "evict_ms", "compact_ms", "full_runs", "evicted_runs", "device"},
-               lambda r: r["kept"] == 40 and r["new_tokens"] == 2 and len(r["full_runs"]) == 1 and r["gate_ms"] > 0),
+                "evict_ms", "compact_ms", "full_runs", "evicted_runs", "device", "attention", "paths",
+                "stock_default_tok_s", "stock_best_tok_s", "full_vs_stock_best", "evicted_vs_stock_best",
+                "evicted_vs_stock_default", "same_full_tokens_on_off"},
+               lambda r: r["kept"] == 40 and r["new_tokens"] == 2 and len(r["full_runs"]) == 1 and r["gate_ms"] > 0
+               and set(r["paths"]) == {"on", "off"} and r["stock_default_tok_s"] == r["paths"]["on"]["full_tok_s"]
+               and r["stock_best_tok_s"] == max(p["full_tok_s"] for p in r["paths"].values())
+               and r["full_tok_s"] == r["paths"][r["attention"]["flash_attn"]]["full_tok_s"]
+               and r["attention"]["source"] == "default"
+               and r["attention"]["flash_attn"] == ("off" if r["device"]["layers"] == "CPU" else "on")),
     "verify": (["--tokens", "256", "--m", "4", "--repeats", "1", "--n-gpu-layers", "0"],
                {"tokens", "m", "m_checked", "rule", "budget", "verify_ms", "prefill_ms", "ratio", "target_ratio",
                 "device"},

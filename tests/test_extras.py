@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-EXTRAS = ("pytest", "hypothesis", "pexpect", "openai", "httpx",  # [test]
+EXTRAS = ("pytest", "xdist", "hypothesis", "pexpect", "openai", "httpx",  # [test]
           "starlette", "uvicorn", "sse_starlette")  # [serve]
 
 

@@ -2,14 +2,17 @@
 
 What a user without make does: `pip install <checkout>` (scikit-build-core builds the patched
 llama.cpp into the package), then `page-local models install smollm2`, then runs a command from a
-folder that is not the checkout. The build goes to its own folder, so the checkout's build/ is not
-touched; ccache (on PATH from make's venv) keeps the compile short when it has seen the sources.
+folder that is not the checkout. The build goes to its own folder beside build/ (build-pip-test/, emptied
+first), so the checkout's build/ is not touched; ccache (on PATH from make's venv, with CCACHE_BASEDIR set to
+the checkout by the Makefile) compiles only what `make setup` has not: the two build folders sit at the same
+depth, so the compile commands match.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +45,9 @@ def installed(tmp_path_factory):
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", venv], tmp, env)
     py = venv / "bin" / "python"
-    _run([py, "-m", "pip", "install", "-q", f"-Cbuild-dir={tmp / 'build'}", REPO], tmp, env)
+    build = REPO / "build-pip-test"
+    shutil.rmtree(build, ignore_errors=True)
+    _run([py, "-m", "pip", "install", "-q", f"-Cbuild-dir={build}", REPO], tmp, env)
     return tmp, venv, env
 
 

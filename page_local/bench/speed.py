@@ -17,6 +17,14 @@ from page_local.native.runtime import Context, ContextConfig, Model
 from page_local.verify import VERIFY_CAP
 
 
+def _attention(model_path, model, threads: int, n_ctx: int) -> dict:
+    """ContextConfig's flash_attn and type_kv as an Engine would choose them (engine/attention.py)."""
+    from page_local.engine import attention
+
+    a, _ = attention.choose(model_path, model, threads, n_ctx)
+    return {"flash_attn": a.flash_attn, "type_kv": a.cache_type}
+
+
 def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: int = 2, seed: int = 0,
                    n_gpu_layers: int | str | None = None) -> dict:
     """Wall time of a `tokens`-token prefill with and without the probe armed on the last W positions."""
@@ -28,7 +36,8 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
     times: dict[bool, list[float]] = {False: [], True: []}
     # random tokens, timed: positions past the trained context cost the same, so the length is not refused
     with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
-            Context(model, ContextConfig(n_ctx=tokens + 64, threads=threads, allow_long_context=True)) as ctx:
+            Context(model, ContextConfig(n_ctx=tokens + 64, threads=threads, allow_long_context=True,
+                                         **_attention(model_path, model, threads, tokens + 64))) as ctx:
         device = ctx.placement()
         ctx.decode(prompt[:64], 0, logits="none")  # warm-up: first graph build and allocation
         for i in range(2 * repeats):
@@ -59,22 +68,23 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
 
 def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, new_tokens: int = 64,
                    repeats: int = 3, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None) -> dict:
-    """Greedy decode tok/s after one `tokens`-token prefill, with the full cache vs after the engine's
+    """Greedy decode tok/s after one `tokens`-token prefill, on both attention paths, side by side:
+    llama.cpp's default (flash attention "auto", which is on for the CPU and GPU backends), the best of
+    on/off, and page-local's own choice (engine/attention.py) with the full cache and after the engine's
     eviction (gate forced open, SnapKV) to `budget`; alternated runs, medians.
 
-    The prefill runs once, through the engine's own steps (turn.Pipeline: the probe armed on the last
-    W positions); its sequence state is saved and restored before every run, so each run starts from
-    the same cache. The evicted run then does what Engine does when the gate opens: Pipeline.select and
-    Pipeline.evict_in_place (evict, compact, re-decode the last prompt token). Also returns the gate
-    decision latency: D + gate on the real probe (median).
+    Each path prefills once, through the engine's own steps (turn.Pipeline: the probe armed on the last W
+    positions); its sequence state is saved and restored before every run, so each run starts from the same
+    cache. The evicted runs then do what Engine does when the gate opens: Pipeline.select and
+    Pipeline.evict_in_place (evict, compact, re-decode the last prompt token). Also returns the gate decision
+    latency: D + gate on the real probe (median). The top-level full/evicted figures are page-local's path.
     """
-    from page_local.engine.turn import Pipeline, drop
-    from page_local.evictors import get_evictor
-    from page_local.evictors.base import resolve_budget
-    from page_local.gate import Gate
+    from page_local.engine import attention
 
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= W:
         raise ValueError(f"--tokens must be an int above the probe window ({W}), got {tokens!r}")
+    from page_local.evictors.base import resolve_budget
+
     B = resolve_budget(budget, tokens, W, N_SINK)
     if B >= tokens:
         raise ValueError(f"budget {budget!r} keeps all {tokens} tokens: nothing to evict")
@@ -82,11 +92,54 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
     prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens).tolist()
+    n_ctx = tokens + new_tokens + 64
+    with Model(model_path, n_gpu_layers=n_gpu_layers) as model:
+        chosen, _ = attention.choose(model_path, model, threads, n_ctx)
+        paths = {}
+        for setting in ("on", "off"):
+            ctype = chosen.cache_type if setting == chosen.flash_attn else "f16"
+            if ctype != "f16" and setting == "off":
+                continue
+            paths[setting] = _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, setting,
+                                          ctype, evict=setting == chosen.flash_attn)
+    mine = paths[chosen.flash_attn]
+    stock_default = paths["on"]["full_tok_s"]  # llama.cpp's flash_attn auto resolves to on
+    best_setting = max(paths, key=lambda s: paths[s]["full_tok_s"])
+    stock_best = paths[best_setting]["full_tok_s"]
+    same = None
+    if "on" in paths and "off" in paths:
+        same = paths["on"].pop("_tokens") == paths["off"].pop("_tokens")
+    for v in paths.values():
+        v.pop("_tokens", None)
+    out = {"bench": "decode", "tokens": tokens, "budget": budget, "new_tokens": new_tokens, "threads": threads,
+           "repeats": repeats, "attention": chosen.to_dict()}
+    out.update({k: v for k, v in mine.items() if k != "flash_attn"})
+    out.update({
+        "stock_default_tok_s": stock_default,
+        "stock_best_tok_s": stock_best,
+        "stock_best_flash_attn": best_setting,
+        "full_vs_stock_default": round(mine["full_tok_s"] / stock_default, 4),
+        "full_vs_stock_best": round(mine["full_tok_s"] / stock_best, 4),
+        "evicted_vs_stock_default": round(mine["evicted_tok_s"] / stock_default, 4),
+        "evicted_vs_stock_best": round(mine["evicted_tok_s"] / stock_best, 4),
+        "same_full_tokens_on_off": same,
+        "paths": paths,
+    })
+    return out
+
+
+def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, flash_attn, cache_type,
+                 evict: bool) -> dict:
+    """decode_speedup's runs on one attention path (full cache; with evict, also the evicted caches)."""
+    from page_local.engine.turn import Pipeline, drop
+    from page_local.evictors import get_evictor
+    from page_local.gate import Gate
+
+    tokens = len(prompt)
     snapkv = get_evictor("snapkv")
     gate = Gate("page")
-    n_ctx = tokens + new_tokens + 64
-    with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
-            Context(model, ContextConfig(n_ctx=n_ctx, threads=threads, allow_long_context=True)) as ctx:
+    with Context(model, ContextConfig(n_ctx=n_ctx, threads=threads, allow_long_context=True, flash_attn=flash_attn,
+                                      type_kv=cache_type)) as ctx:
         device = ctx.placement()
         pipe = Pipeline(ctx, model)
         t0 = time.perf_counter()
@@ -103,22 +156,26 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
         s0 = time.perf_counter()
         state = ctx.seq_state(0)
         save_ms = (time.perf_counter() - s0) * 1e3
+        full_tokens: list[int] = []
 
-        def decode_run() -> float:
+        def decode_run(record: list[int] | None = None) -> float:
             """tok/s of new_tokens greedy steps from the current cache (first token: the prefill's)."""
             tok, pos = first, tokens
             r0 = time.perf_counter()
             for i in range(new_tokens):
                 ctx.decode([tok], pos + i, 0)
                 tok = int(np.argmax(ctx.logits()))
+                if record is not None:
+                    record.append(tok)
             return new_tokens / (time.perf_counter() - r0)
 
         # three configurations, alternated: full cache; evicted as the engine does it (evict, compact,
         # re-decode the last prompt token); evicted without compaction (holes left in place)
-        runs: dict[str, list[float]] = {"full": [], "evicted": [], "evicted_nocompact": []}
+        modes = ("full", "evicted", "evicted_nocompact") if evict else ("full",)
+        runs: dict[str, list[float]] = {m: [] for m in modes}
         restore_ms, evict_ms, compact_ms, kept = [], [], [], tokens
-        for i in range(3 * repeats):
-            mode = ("full", "evicted", "evicted_nocompact")[i % 3]
+        for i in range(len(modes) * repeats):
+            mode = modes[i % len(modes)]
             ctx.clear()
             r0 = time.perf_counter()
             ctx.set_seq_state(state, 0)
@@ -131,34 +188,29 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
                     compact_ms.append(c_ms)
                 evict_ms.append((time.perf_counter() - e0) * 1e3)
                 kept = ctx.cells_used(0)
-            runs[mode].append(decode_run())
-    full, ev = statistics.median(runs["full"]), statistics.median(runs["evicted"])
-    ev_nc = statistics.median(runs["evicted_nocompact"])
-    return {
-        "bench": "decode",
-        "tokens": tokens,
-        "budget": budget,
-        "kept": kept,
-        "new_tokens": new_tokens,
-        "threads": threads,
-        "repeats": repeats,
-        "full_tok_s": round(full, 2),
-        "evicted_tok_s": round(ev, 2),
-        "speedup": round(ev / full, 4),
-        "evicted_nocompact_tok_s": round(ev_nc, 2),
-        "speedup_nocompact": round(ev_nc / full, 4),
-        "compact_ms": round(statistics.median(compact_ms), 2),
-        "gate_ms": round(statistics.median(gate_ms), 3),
-        "gate_target_ms": 2.0,
-        "prefill_s": round(prefill_s, 3),
-        "state_save_ms": round(save_ms, 2),
-        "state_restore_ms": round(statistics.median(restore_ms), 2),
-        "evict_ms": round(statistics.median(evict_ms), 2),
-        "full_runs": [round(t, 2) for t in runs["full"]],
-        "evicted_runs": [round(t, 2) for t in runs["evicted"]],
-        "evicted_nocompact_runs": [round(t, 2) for t in runs["evicted_nocompact"]],
-        "device": device,
-    }
+            runs[mode].append(decode_run(full_tokens if mode == "full" and not full_tokens else None))
+    full = statistics.median(runs["full"])
+    out = {"flash_attn": flash_attn, "cache_type": cache_type, "full_tok_s": round(full, 2),
+           "prefill_s": round(prefill_s, 3), "prefill_tok_s": round(tokens / prefill_s, 1),
+           "full_runs": [round(t, 2) for t in runs["full"]], "device": device, "_tokens": full_tokens}
+    if evict:
+        ev, ev_nc = statistics.median(runs["evicted"]), statistics.median(runs["evicted_nocompact"])
+        out.update({
+            "kept": kept,
+            "evicted_tok_s": round(ev, 2),
+            "speedup": round(ev / full, 4),
+            "evicted_nocompact_tok_s": round(ev_nc, 2),
+            "speedup_nocompact": round(ev_nc / full, 4),
+            "compact_ms": round(statistics.median(compact_ms), 2),
+            "gate_ms": round(statistics.median(gate_ms), 3),
+            "gate_target_ms": 2.0,
+            "state_save_ms": round(save_ms, 2),
+            "state_restore_ms": round(statistics.median(restore_ms), 2),
+            "evict_ms": round(statistics.median(evict_ms), 2),
+            "evicted_runs": [round(t, 2) for t in runs["evicted"]],
+            "evicted_nocompact_runs": [round(t, 2) for t in runs["evicted_nocompact"]],
+        })
+    return out
 
 
 _HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -273,6 +325,7 @@ def forced_cost(model_path, tokens: int = 2048, sizes=FORCED_SIZES, repeats: int
     prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens + sizes[-1]).tolist()
     with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
             Context(model, ContextConfig(n_ctx=tokens + sizes[-1] + 64, threads=threads, n_seq_max=2,
+                                         **_attention(model_path, model, threads, tokens + sizes[-1] + 64),
                                          allow_long_context=True)) as ctx:
         if sizes[-1] > ctx.n_batch:
             raise ValueError(f"a chunk of {sizes[-1]} tokens exceeds the batch ({ctx.n_batch})")

@@ -18,6 +18,7 @@ from page_local.cli.models import models_cmd
 from page_local.cli.rpc_server import rpc_server_cmd
 from page_local.cli.run import run_cmd
 from page_local.cli.serve import bench_serve_cmd, serve_cmd
+from page_local.cli.tune import tune_cmd
 
 
 @click.group()
@@ -28,6 +29,6 @@ def main():
 
 
 for _command in (run_cmd, chat_cmd, models_cmd, calibrate_cmd, inspect_cmd, eval_group, bench_group, serve_cmd,
-                 rpc_server_cmd):
+                 rpc_server_cmd, tune_cmd):
     main.add_command(_command)
 bench_group.add_command(bench_serve_cmd, name="serve")  # beside its server (cli/serve.py)

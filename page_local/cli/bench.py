@@ -11,6 +11,7 @@ from page_local import defaults
 from page_local.cli.common import (
     BudgetType,
     LadderType,
+    attention_options,
     fail,
     json_option,
     model_option,
@@ -43,6 +44,7 @@ def _bench(as_json: bool, run, describe) -> None:
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @threads_option
 @n_gpu_layers_option
+@attention_options
 @json_option()
 def bench_probe(model, tokens, repeats, threads, n_gpu_layers, as_json):
     """Prefill time with the probe armed on the last 32 positions vs unarmed (target ratio <= 1.05)."""
@@ -64,6 +66,7 @@ def bench_probe(model, tokens, repeats, threads, n_gpu_layers, as_json):
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @threads_option
 @n_gpu_layers_option
+@attention_options
 @json_option()
 def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_layers, as_json):
     """Decode tok/s after eviction to the budget (SnapKV, gate forced open) vs the full cache."""
@@ -74,10 +77,14 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_laye
     _bench(as_json, lambda: decode_speedup(path, tokens=tokens, budget=budget,
                                            new_tokens=new_tokens, repeats=repeats, threads=threads,
                                            n_gpu_layers=n_gpu_layers),
-           lambda r: f"{tokens}-token prompt, {new_tokens} new tokens: full cache {r['full_tok_s']:.1f} tok/s, "
+           lambda r: f"{tokens}-token prompt, {new_tokens} new tokens, flash attention {r['attention']['flash_attn']} "
+                     f"({r['attention']['source']}): full cache {r['full_tok_s']:.1f} tok/s, "
                      f"evicted to {r['kept']} {r['evicted_tok_s']:.1f} tok/s (median of {repeats}), "
-                     f"speedup {r['speedup']:.3f}; gate decision {r['gate_ms']:.2f} ms; "
-                     f"{describe_placement(r['device'])}")
+                     f"speedup {r['speedup']:.3f}; llama.cpp's default (flash attention on) "
+                     f"{r['stock_default_tok_s']:.1f} tok/s, its best (flash attention {r['stock_best_flash_attn']}) "
+                     f"{r['stock_best_tok_s']:.1f}: full cache {r['full_vs_stock_best']:.2f}x and evicted "
+                     f"{r['evicted_vs_stock_best']:.2f}x the best, {r['evicted_vs_stock_default']:.2f}x the default; "
+                     f"gate decision {r['gate_ms']:.2f} ms; {describe_placement(r['device'])}")
 
 
 @bench_group.command("verify")
@@ -99,6 +106,7 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_laye
               help="verify's budget (without --ladder)")
 @threads_option
 @n_gpu_layers_option
+@attention_options
 @json_option()
 def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, budget, threads, n_gpu_layers, as_json):
     """Self-verification's extra decode as a fraction of the prefill (target <= 0.05); with --ladder, budget
@@ -121,6 +129,7 @@ def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, budget, thr
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @threads_option
 @n_gpu_layers_option
+@attention_options
 @json_option()
 def bench_forced(model, tokens, repeats, threads, n_gpu_layers, as_json):
     """What a token forced by the check costs, in chunks of 1-64, beside a prefill token (the check's floor)."""
@@ -145,6 +154,7 @@ def bench_forced(model, tokens, repeats, threads, n_gpu_layers, as_json):
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @threads_option
 @n_gpu_layers_option
+@attention_options
 @json_option()
 def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, threads, n_gpu_layers, as_json):
     """LORE-KV's one-time cost (prompt to eviction) as a ratio to SnapKV's (paper: 1.46-2.77x)."""
@@ -166,6 +176,7 @@ def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, thre
               help="compact the cache after eviction, as the engine does by default")
 @threads_option
 @n_gpu_layers_option
+@attention_options
 @json_option()
 def bench_memory(model, tokens, compact, threads, n_gpu_layers, as_json):
     """Peak RSS of page-local vs stock llama-cpp-python on the same prompt (target ratio <= 1.05)."""
@@ -195,6 +206,7 @@ def bench_memory(model, tokens, compact, threads, n_gpu_layers, as_json):
               help="SnapKVPress kernel_size, odd (default: kvpress's, 5; 1 = no pooling, as page-local).")
 @threads_option
 @n_gpu_layers_option
+@attention_options
 @json_option()
 def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kernel, threads, n_gpu_layers, as_json):
     """page-local vs NVIDIA kvpress (SnapKVPress, PyTorch) on the same GGUF, budget and needle prompts:
@@ -221,6 +233,7 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
               help="page-local's speed budget (1.0, chat's default: room on demand only).")
 @threads_option
 @n_gpu_layers_option
+@attention_options
 @json_option()
 def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, threads, n_gpu_layers, as_json):
     """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache."""

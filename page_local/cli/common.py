@@ -194,6 +194,40 @@ def rpc_option(f):
              "$PAGE_LOCAL_RPC. RPC is unauthenticated and unencrypted: loopback or a trusted LAN only.")(f)
 
 
+def _env_option(var: str):
+    """A callback that makes an option's value $var for this command (every Engine it makes, a benchmark's
+    subprocesses too), putting the variable back when the command ends; None leaves it alone."""
+
+    def callback(ctx: click.Context, param, value):
+        if value is None:
+            return None
+        before = os.environ.get(var)
+        os.environ[var] = value
+        ctx.call_on_close(lambda: os.environ.pop(var, None) if before is None else os.environ.update({var: before}))
+        return None
+
+    return callback
+
+
+def attention_options(f):
+    """--flash-attn and --cache-type (engine/attention.py): $PAGE_LOCAL_FLASH_ATTN / $PAGE_LOCAL_CACHE_TYPE
+    for the command."""
+    from page_local.defaults import CACHE_ENV, CACHE_TYPES, FLASH_ATTN, FLASH_ENV
+
+    f = click.option(
+        "--cache-type", "cache_type", type=click.Choice(CACHE_TYPES), default=None, expose_value=False,
+        callback=_env_option(CACHE_ENV),
+        help="The KV cache's type (K and V). q8_0 / q4_0 hold 1.9x / 3.6x the cells of f16 in the same memory "
+             "and need flash attention (llama.cpp quantizes V only on that path). Default: $PAGE_LOCAL_CACHE_TYPE, "
+             "else f16.")(f)
+    return click.option(
+        "--flash-attn", "flash_attn", type=click.Choice(FLASH_ATTN), default=None, expose_value=False,
+        callback=_env_option(FLASH_ENV),
+        help="The attention path. auto: what `page-local tune` measured on this machine, else off on the CPU "
+             "(llama.cpp's flash-attention decode is slower there) and on for a GPU. Default: "
+             "$PAGE_LOCAL_FLASH_ATTN, else auto.")(f)
+
+
 def n_gpu_layers_option(f):
     """--n-gpu-layers, and --rpc (remote devices are offload targets as GPUs are)."""
     f = rpc_option(f)
@@ -205,7 +239,9 @@ def n_gpu_layers_option(f):
 
 
 def load_options(f):
-    """--n-gpu-layers, --rpc and --allow-long-context, for commands that load a model into an Engine."""
+    """--n-gpu-layers, --rpc, --flash-attn, --cache-type and --allow-long-context, for commands that load a
+    model into an Engine."""
+    f = attention_options(f)
     f = click.option(
         "--allow-long-context", "allow_long_context", is_flag=True,
         help="Run with an --n-ctx larger than the model's trained context (refused otherwise: answers past "

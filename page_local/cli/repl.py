@@ -118,8 +118,12 @@ class Repl:
         hint = "Esc+Enter or a trailing \\ continues a line" if multiline_hint else "a trailing \\ continues a line"
         self.console.print(Text(f"/help for commands · {hint} · Ctrl-C stops an answer · Ctrl-D exits",
                                 style="dim"))
-        if e.profile_warning:
-            self.console.print(Text(f"warning: {e.profile_warning}", style="yellow"))
+        attention = getattr(e, "attention", None)
+        if attention is not None:
+            self.console.print(Text(f"attention: {attention.why}; {attention.cache_type} cache", style="dim"))
+        for warning in (e.profile_warning, getattr(e, "attention_warning", None)):
+            if warning:
+                self.console.print(Text(f"warning: {warning}", style="yellow"))
 
     def handle(self, line: str) -> bool:
         """Run one input; False means the user asked to exit."""

@@ -29,7 +29,7 @@ from page_local.cli.common import (
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5), help="0 = greedy.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--json", "as_json", is_flag=True,
-              help='print one JSON object {"text", "finish_reason", "decision", "tokens_per_s", "device"}')
+              help='print one JSON object {"text", "finish_reason", "decision", "tokens_per_s", "device", "attention"}')
 def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers,
             allow_long_context, ladder, max_tokens, temperature, seed, as_json):
     """Answer one prompt; with --json, also what the gate and the evictor did."""
@@ -44,8 +44,10 @@ def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on
                     verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, on_full=on_full, ladder=ladder,
                     allow_long_context=allow_long_context) as eng:
             device = eng.placement
-            if eng.profile_warning:
-                click.echo(f"warning: {eng.profile_warning}", err=True)
+            for warning in (eng.profile_warning, eng.attention_warning):
+                if warning:
+                    click.echo(f"warning: {warning}", err=True)
+            attention = eng.attention.to_dict()
             stream = eng.stream(prompt, max_tokens=max_tokens, sampling=Sampling(temperature=temperature, seed=seed))
             for piece in stream:
                 if not as_json:
@@ -54,7 +56,8 @@ def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on
     d = res.decision
     if as_json:
         click.echo(json.dumps({"text": res.text, "finish_reason": res.finish_reason, "decision": d.to_dict(),
-                               "tokens_per_s": round(res.tokens_per_s, 2), "device": device}))
+                               "tokens_per_s": round(res.tokens_per_s, 2), "device": device,
+                               "attention": attention}))
         return
     click.echo("")
     if d.gate_note:

@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from page_local import defaults
+from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.room import ANSWER_ROOM, ContextPolicy, check_on_full
 from page_local.engine.turn import AFTER_ANSWER, FIRST_CHUNK, N_SINK, W, Pipeline, supported
@@ -85,7 +86,7 @@ class Engine(ContextPolicy):
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = defaults.N_CTX,
                  budget: float | int = defaults.BUDGET, evictor: str = defaults.EVICTOR, gate: str = defaults.GATE,
                  threads: int = defaults.THREADS, flash_attn: str = "auto",
-                 type_kv: str = "f16", seed: int = 0, evictor_options: dict | None = None,
+                 type_kv: str | None = None, seed: int = 0, evictor_options: dict | None = None,
                  verify_tokens: int = VERIFY_CAP, verify_threshold: float | None = None,
                  verify_rule: str = VERIFY_RULE, compact: bool = True,
                  n_gpu_layers: int | str | None = None, allow_long_context: bool = False,
@@ -107,10 +108,16 @@ class Engine(ContextPolicy):
         self._lock = threading.Lock()
         self._active: Stream | None = None  # the stream holding the lock, if one is suspended mid-answer
         # rpc: HOST:PORT of ggml-rpc-servers whose devices take offloaded layers (None = $PAGE_LOCAL_RPC)
+        # flash_attn: auto (page-local's choice: engine/attention.py) | on | off; type_kv: f16 | q8_0 | q4_0
+        # (None: $PAGE_LOCAL_CACHE_TYPE, else f16). Both are checked before the model is loaded.
+        attention.resolve(*attention.from_environment(flash_attn, type_kv), "CPU", n_ctx, None)
         self.model = Model(path, n_gpu_layers=n_gpu_layers, rpc=rpc)
         try:
-            self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, flash_attn=flash_attn,
-                                                         type_kv=type_kv, n_seq_max=1 + MAX_FUTURES,
+            self.attention, self.attention_warning = attention.choose(path, self.model, threads, n_ctx, flash_attn,
+                                                                      type_kv)
+            self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads,
+                                                         flash_attn=self.attention.flash_attn,
+                                                         type_kv=self.attention.cache_type, n_seq_max=1 + MAX_FUTURES,
                                                          allow_long_context=allow_long_context))
         except Exception:
             self.model.close()
@@ -221,7 +228,10 @@ class Engine(ContextPolicy):
             if tuple(int(p) for p in self.ctx.page.positions(0)) != snap.positions:
                 why = "the restored cache does not hold the saved positions"
         except Exception as e:  # noqa: BLE001 -- llama.cpp's refusal, told in the message
-            why = f"llama.cpp refused the cache: {e}"
+            a = self.attention
+            why = (f"llama.cpp refused the cache: {e} (this engine runs flash attention {a.flash_attn} with "
+                   f"cache type {a.cache_type}; a cache saved under another flash-attention setting or cache type "
+                   "restores only under that one: --flash-attn / --cache-type)")
         if why is None:
             self.history = list(snap.history)
             self._pos = list(snap.history_pos) if snap.history_pos else list(range(len(snap.history)))

@@ -31,6 +31,13 @@ def load() -> tuple:
         raise LibraryError(str(e)) from e
 
 
+def library_dir():
+    """The folder the patched libllama is (or would be) loaded from: where the native libraries are."""
+    from page_local_bindings.loader import library_dir as _dir
+
+    return _dir()
+
+
 def llama_cpp() -> ModuleType:
     """The llama_cpp module, guaranteed to run on page-local's patched library."""
     return load()[2]

@@ -1,0 +1,217 @@
+"""The attention path and KV cache type a context gets: page-local's own choice, by measurement.
+
+llama.cpp's flash_attn "auto" turns flash attention on for the CPU backend. On the CPUs measured here
+its one-token decode is slower than the plain path once the cache holds a few thousand cells (Intel
+Xeon with AVX-512: 1.8x at 1K cells to 3-6x at 8K; AMD EPYC Zen 1: 1.4x at 2K-4K), while it reads a
+prompt as fast or faster. So "auto" here means:
+
+  1. an explicit "on"/"off" (the argument, or $PAGE_LOCAL_FLASH_ATTN that --flash-attn sets) is used;
+  2. a quantized V cache (q8_0, q4_0) needs flash attention in llama.cpp: on;
+  3. a tuning measured by `page-local tune` for this model, machine, device, thread count and library
+     (store/tuning.py) picks the path with the lower cost over the context (see `cost`);
+  4. else the backend's default: off when the layers run on the CPU (measured above), on for a GPU.
+
+`cost` weighs decode, as chat and serve are decode-dominated: a conversation that grows from 0 to n_ctx
+cells, reading as many tokens as it writes, costs at T cells prefill_ms_per_token(T) + decode_ms(T);
+the path with the lower mean over [0, n_ctx] wins.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from page_local.defaults import CACHE_ENV, CACHE_TYPES, FLASH_ATTN, FLASH_ENV
+
+TIE = 0.03  # mean costs within 3 % are a tie: the path that reads prompts faster wins it
+TUNE_LENGTHS = (256, 1024, 2048)  # cells at which `page-local tune` times a decode step
+BANDS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def check_flash_attn(value: str, what: str = "flash_attn") -> str:
+    if value not in FLASH_ATTN:
+        raise ValueError(f"{what} must be one of {', '.join(FLASH_ATTN)}; got {value!r}")
+    return value
+
+
+def check_cache_type(value: str, what: str = "cache type") -> str:
+    if value not in CACHE_TYPES:
+        raise ValueError(f"{what} must be one of {', '.join(CACHE_TYPES)}; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Attention:
+    """What a context was created with, and why."""
+
+    flash_attn: str  # "on" | "off"
+    cache_type: str  # "f16" | "q8_0" | "q4_0" (K and V)
+    source: str  # "requested" | "cache type" | "tuned" | "default"
+    why: str
+
+    def to_dict(self) -> dict:
+        return {"flash_attn": self.flash_attn, "cache_type": self.cache_type, "source": self.source,
+                "why": self.why}
+
+
+# --- the decision (pure) ---------------------------------------------------------------------
+
+def cost_curve(points: list[tuple[int, float, float]], t: np.ndarray) -> np.ndarray:
+    """f64 (len(t),): prefill ms per token + decode ms at each T of t, from the measured points
+    (T ascending), linear between them, constant below the first, and past the last continued along the
+    last segment (never below the last point: decode does not get cheaper as the cache grows)."""
+    ts = np.array([p[0] for p in points], dtype=np.float64)
+    c = np.array([p[1] + p[2] for p in points], dtype=np.float64)
+    out = np.interp(t, ts, c)
+    if len(ts) >= 2 and ts[-1] > ts[-2]:
+        slope = max(0.0, (c[-1] - c[-2]) / (ts[-1] - ts[-2]))
+        past = t > ts[-1]
+        out[past] = c[-1] + slope * (t[past] - ts[-1])
+    return out
+
+
+def mean_cost(points, lo: int, hi: int) -> float:
+    """The mean of cost_curve over T in [lo, hi]."""
+    t = np.linspace(max(1, lo), max(lo + 1, hi), 65)
+    return float(cost_curve(points, t).mean())
+
+
+def decide(points: dict, n_ctx: int, lo: int = 0) -> tuple[str, str]:
+    """("on"|"off", why) for a conversation over [lo, n_ctx] cells, from {"on": points, "off": points}."""
+    on, off = mean_cost(points["on"], lo, n_ctx), mean_cost(points["off"], lo, n_ctx)
+    measured = max(points["on"][-1][0], points["off"][-1][0])
+    reach = "" if n_ctx <= measured else f", extrapolated past the {measured} cells measured"
+    if abs(on - off) <= TIE * min(on, off):
+        pre = {s: float(np.mean([p[1] for p in points[s]])) for s in ("on", "off")}
+        pick = "on" if pre["on"] <= pre["off"] else "off"
+        return pick, (f"tuned: flash attention {pick} (a tie on decode, {on:.1f} vs {off:.1f} ms per token on/off "
+                      f"over 0-{n_ctx} cells{reach}; it reads prompts faster)")
+    pick = "on" if on < off else "off"
+    return pick, (f"tuned: flash attention {pick} ({min(on, off):.1f} vs {max(on, off):.1f} ms per token read "
+                  f"and written over 0-{n_ctx} cells{reach})")
+
+
+def bands(points: dict, n_ctx_max: int) -> list[dict]:
+    """The winner per length band up to n_ctx_max: [{"from", "to", "flash_attn", "on_ms", "off_ms"}]."""
+    out, lo = [], 0
+    for hi in BANDS:
+        hi = min(hi, n_ctx_max)
+        if hi <= lo:
+            break
+        on, off = mean_cost(points["on"], lo, hi), mean_cost(points["off"], lo, hi)
+        out.append({"from": lo, "to": hi, "flash_attn": "on" if on < off else "off",
+                    "on_ms": round(on, 2), "off_ms": round(off, 2)})
+        lo = hi
+    return out
+
+
+def backend_default(device: str) -> tuple[str, str]:
+    if device.startswith("CPU") or device == "":
+        return "off", ("default for the CPU: flash attention off (its CPU decode is 1.4-6x slower at 2K-8K cells "
+                       "on the CPUs measured; `page-local tune` measures yours)")
+    return "on", f"default for {device}: flash attention on (llama.cpp's choice for GPUs)"
+
+
+def resolve(flash_attn: str, cache_type: str, device: str, n_ctx: int, tuned: dict | None) -> Attention:
+    """The pure rule of the module docstring. flash_attn: auto|on|off (already merged with the environment);
+    tuned: the tuning's points or None. ValueError for a combination llama.cpp refuses."""
+    check_flash_attn(flash_attn)
+    check_cache_type(cache_type)
+    quant_v = cache_type != "f16"
+    if flash_attn != "auto":
+        if quant_v and flash_attn == "off":
+            raise ValueError(f"cache type {cache_type} quantizes the V cache, which llama.cpp supports only with "
+                             "flash attention: use flash attention on (or auto), or cache type f16")
+        return Attention(flash_attn, cache_type, "requested", f"flash attention {flash_attn} as requested")
+    if quant_v:
+        return Attention("on", cache_type, "cache type",
+                         f"flash attention on: the {cache_type} V cache needs it in llama.cpp")
+    if tuned is not None:
+        pick, why = decide(tuned, n_ctx)
+        return Attention(pick, cache_type, "tuned", why)
+    pick, why = backend_default(device)
+    return Attention(pick, cache_type, "default", why)
+
+
+def from_environment(flash_attn: str, cache_type: str | None) -> tuple[str, str]:
+    """An Engine's "auto" / None take $PAGE_LOCAL_FLASH_ATTN / $PAGE_LOCAL_CACHE_TYPE (what --flash-attn and
+    --cache-type set for a command) when set; explicit values win."""
+    if flash_attn == "auto" and os.environ.get(FLASH_ENV):
+        flash_attn = check_flash_attn(os.environ[FLASH_ENV].strip().lower(), f"${FLASH_ENV}")
+    if cache_type is None:
+        cache_type = check_cache_type(os.environ.get(CACHE_ENV, "").strip().lower() or "f16", f"${CACHE_ENV}")
+    return check_flash_attn(flash_attn), check_cache_type(cache_type)
+
+
+# --- measuring (drives a context: the engine layer) -------------------------------------------
+
+def measure(model, threads: int, lengths=TUNE_LENGTHS, repeats: int = 5,
+            progress: Callable[[str, float], None] | None = None) -> dict:
+    """Time both paths on `model`: for each of on/off, prefill random tokens up to each length of
+    `lengths` in one growing sequence, timing each chunk (ms per token) and then `repeats` one-token
+    decodes at that length (each removed again; the first is a warm-up and dropped). Returns
+    {"on": [(T, prefill_ms_per_token, decode_ms), ...], "off": [...]}. progress(text, fraction)."""
+    from page_local.native.runtime import Context, ContextConfig
+
+    lengths = sorted({int(n) for n in lengths})
+    if not lengths or lengths[0] < 16:
+        raise ValueError(f"tuning lengths must be at least 16 tokens, got {lengths}")
+    limit = model.n_ctx_train if model.n_ctx_train > 0 else lengths[-1] + 64
+    lengths = [n for n in lengths if n + repeats + 1 <= limit] or [min(lengths[0], limit - repeats - 1)]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(100, min(4000, max(200, model.n_vocab - 1)), size=lengths[-1] + repeats + 1).tolist()
+    total = 2 * (lengths[-1] + len(lengths) * repeats * 8)  # rough work units for the progress fraction
+    done, out = 0, {}
+    for setting in ("on", "off"):
+        pts = []
+        with Context(model, ContextConfig(n_ctx=lengths[-1] + repeats + 16, threads=threads, flash_attn=setting,
+                                          n_ubatch=512, n_batch=512)) as ctx:
+            pos = 0
+            for n in lengths:
+                t0 = time.perf_counter()
+                ctx.decode(tokens[pos:n], pos, 0, logits="last")
+                pre = (time.perf_counter() - t0) * 1000 / (n - pos)
+                done += n - pos
+                pos = n
+                steps = []
+                for i in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    ctx.decode([tokens[n + i]], n, 0, logits="last")
+                    steps.append((time.perf_counter() - t0) * 1000)
+                    ctx.seq_rm(0, n, -1)
+                    done += 8
+                pts.append((n, pre, float(np.median(steps[1:]))))
+                if progress is not None:
+                    progress(f"flash attention {setting}: {n} cells, decode {pts[-1][2]:.1f} ms", done / total)
+        out[setting] = pts
+    return out
+
+
+# --- the engine's entry point ----------------------------------------------------------------
+
+def tuning_key(model_path, model, threads: int):
+    """The store key of a tuning for this model file, machine, device, thread count and library."""
+    from page_local.native.pageops import library_dir
+    from page_local.store.gguf import model_identity
+    from page_local.store.tuning import TuningKey, library_signature, machine_signature
+
+    return TuningKey(model_identity(model_path), machine_signature(), str(model.layers_device), int(threads),
+                     library_signature(library_dir()))
+
+
+def choose(model_path, model, threads: int, n_ctx: int, flash_attn: str = "auto",
+           cache_type: str | None = None) -> tuple[Attention, str | None]:
+    """(Attention, warning or None) for a context on `model`: the environment, then the rule of `resolve`
+    with the stored tuning (an unusable tuning file is ignored, and the warning says so)."""
+    from page_local.store.tuning import read_tuning
+
+    fa, ct = from_environment(flash_attn, cache_type)
+    tuned, warning = None, None
+    if fa == "auto" and ct == "f16":
+        status = read_tuning(tuning_key(model_path, model, threads))
+        tuned, warning = (status.tuning.points if status.tuning else None), status.warning
+    return resolve(fa, ct, str(model.layers_device), n_ctx, tuned), warning

@@ -1,0 +1,227 @@
+"""The attention path and cache type: page-local's choice (engine/attention.py), the stored tuning
+(store/tuning.py), `page-local tune`, --flash-attn / --cache-type, and every pipeline step on each offered
+(flash attention, cache type) pair on the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from page_local.engine import attention
+from page_local.store import tuning as store
+from tests.conftest import one_line_error
+
+# fake timings (T, prefill ms/token, decode ms): flash attention wins short caches, loses long ones
+ON = [(256, 10.0, 18.0), (1024, 10.5, 26.0), (2048, 11.0, 45.0)]
+OFF = [(256, 14.0, 21.0), (1024, 14.5, 24.0), (2048, 15.0, 31.0)]
+
+
+# --- the decision, pure ----------------------------------------------------------------------
+
+def test_decide_weighs_decode_over_the_whole_context():
+    assert attention.decide({"on": ON, "off": OFF}, 4096)[0] == "off"
+    pick, why = attention.decide({"on": ON, "off": OFF}, 256)
+    assert pick == "on" and "0-256 cells" in why
+    assert "extrapolated past the 2048 cells" in attention.decide({"on": ON, "off": OFF}, 8192)[1]
+
+
+def test_a_tie_goes_to_the_faster_prompt_reader():
+    same = [(t, p, d) for t, p, d in OFF]
+    faster_reading = [(t, p - 1.0, d + 1.0) for t, p, d in OFF]  # the same cost, read faster
+    pick, why = attention.decide({"on": faster_reading, "off": same}, 2048)
+    assert pick == "on" and "a tie" in why
+
+
+def test_cost_curve_is_measured_between_points_and_never_falls_past_them():
+    t = np.array([100.0, 256.0, 640.0, 2048.0, 4096.0])
+    c = attention.cost_curve(ON, t)
+    assert c[0] == c[1] == 28.0  # constant below the first point
+    assert c[2] == pytest.approx(28.0 + (36.5 - 28.0) * (640 - 256) / (1024 - 256))
+    assert c[3] == 56.0 and c[4] == pytest.approx(56.0 + (56.0 - 36.5) / 1024 * 2048)
+    falling = [(256, 10.0, 30.0), (1024, 10.0, 20.0)]
+    assert attention.cost_curve(falling, np.array([4096.0]))[0] == 30.0 - 10.0 + 10.0  # held at the last point
+
+
+def test_bands_name_a_winner_per_length():
+    b = attention.bands({"on": ON, "off": OFF}, 4096)
+    assert [(x["from"], x["to"]) for x in b] == [(0, 1024), (1024, 2048), (2048, 4096)]
+    assert b[0]["flash_attn"] == "on" and b[-1]["flash_attn"] == "off"
+
+
+@pytest.mark.parametrize("fa, ct, device, tuned, want, source", [
+    ("auto", "f16", "CPU", None, "off", "default"),
+    ("auto", "f16", "NVIDIA H100", None, "on", "default"),
+    ("auto", "f16", "CPU", {"on": ON, "off": OFF}, "off", "tuned"),
+    ("auto", "q8_0", "CPU", None, "on", "cache type"),
+    ("on", "f16", "CPU", {"on": ON, "off": OFF}, "on", "requested"),
+    ("off", "f16", "CPU", None, "off", "requested"),
+], ids=["cpu-default", "gpu-default", "tuned", "quantized-v", "asked-on", "asked-off"])
+def test_resolve(fa, ct, device, tuned, want, source):
+    a = attention.resolve(fa, ct, device, 4096, tuned)
+    assert (a.flash_attn, a.cache_type, a.source) == (want, ct, source)
+
+
+def test_a_quantized_cache_without_flash_attention_is_refused_in_one_sentence():
+    with pytest.raises(ValueError, match="q4_0 quantizes the V cache.*flash attention on"):
+        attention.resolve("off", "q4_0", "CPU", 4096, None)
+    with pytest.raises(ValueError, match="must be one of auto, on, off; got 'yes'"):
+        attention.resolve("yes", "f16", "CPU", 4096, None)
+
+
+def test_the_environment_fills_what_was_not_asked(monkeypatch):
+    monkeypatch.setenv(attention.FLASH_ENV, "ON")
+    monkeypatch.setenv(attention.CACHE_ENV, "q8_0")
+    assert attention.from_environment("auto", None) == ("on", "q8_0")
+    assert attention.from_environment("off", "f16") == ("off", "f16")  # explicit values win
+    monkeypatch.setenv(attention.FLASH_ENV, "fast")
+    with pytest.raises(ValueError, match=r"\$PAGE_LOCAL_FLASH_ATTN must be one of"):
+        attention.from_environment("auto", None)
+
+
+# --- the store -------------------------------------------------------------------------------
+
+def _key(**kw):
+    base = dict(model_id="llama-0123456789abcdef", machine="x86_64 Test CPU [00000000]", device="CPU", threads=2,
+                library="feedfacefeedface")
+    base.update(kw)
+    return store.TuningKey(**base)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_a_tuning_is_stored_and_read_back(home):
+    t = store.Tuning(_key(), {"on": ON, "off": OFF}, store.now(), 12.5)
+    path = store.save_tuning(t)
+    assert path.parent == home / "tuning"
+    got = store.read_tuning(_key())
+    assert got.warning is None and got.tuning.points == {"on": ON, "off": OFF}
+
+
+@pytest.mark.parametrize("change", [dict(threads=1), dict(library="0000000000000000"),
+                                    dict(model_id="qwen2-0123456789abcdef"), dict(machine="arm64 Other [1]")],
+                         ids=["threads", "library", "model", "machine"])
+def test_a_tuning_is_not_reused_for_another_setting(home, change):
+    store.save_tuning(store.Tuning(_key(), {"on": ON, "off": OFF}, store.now(), 1.0))
+    got = store.read_tuning(_key(**change))
+    assert got.tuning is None and got.warning is None
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("{not json", "unreadable attention tuning"),
+    ('{"format": "page-local-profile"}', "format field missing"),
+    ('{"format": "page-local-tuning", "version": 1, "key": null}', "measured for another"),
+    ('[1, 2]', "format field missing"),
+], ids=["corrupt", "another-format", "foreign-key", "not-an-object"])
+def test_an_unusable_tuning_file_is_ignored_with_a_warning(home, text, needle):
+    path = store.tuning_path(_key())
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    got = store.read_tuning(_key())
+    assert got.tuning is None and needle in got.warning
+
+
+def test_malformed_points_are_refused_by_name(home):
+    store.save_tuning(store.Tuning(_key(), {"on": ON, "off": OFF}, store.now(), 1.0))
+    path = store.tuning_path(_key())
+    data = json.loads(path.read_text())
+    data["points"]["off"] = [[1024, 1.0, 2.0], [256, 1.0, -3.0]]
+    path.write_text(json.dumps(data))
+    got = store.read_tuning(_key())
+    assert got.tuning is None and "decode ms > 0" in got.warning
+
+
+# --- real runs on the embedded model -----------------------------------------------------------
+
+def test_tune_measures_stores_and_auto_uses_it(cli):
+    res = cli("tune", "--lengths", "48,96", "--n-ctx", "1024", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["tuned"] and out["auto"]["source"] == "tuned"
+    assert [p[0] for p in out["points"]["on"]] == [48, 96] == [p[0] for p in out["points"]["off"]]
+    assert all(p[1] > 0 and p[2] > 0 for s in ("on", "off") for p in out["points"][s])
+    shown = json.loads(cli("tune", "--show", "--n-ctx", "1024", "--json").stdout)
+    assert shown["points"] == out["points"] and shown["auto"] == out["auto"]
+    ran = cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "1024", "--json")
+    assert ran.exit_code == 0, ran.output
+    assert json.loads(ran.stdout)["attention"] == out["auto"]
+    asked = json.loads(cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "1024",
+                           "--flash-attn", "on", "--json").stdout)
+    assert asked["attention"]["flash_attn"] == "on" and asked["attention"]["source"] == "requested"
+    assert json.loads(cli("tune", "--forget", "--json").stdout) == {"removed": True}
+    untuned = json.loads(cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "1024", "--json").stdout)
+    assert untuned["attention"]["source"] == "default" and untuned["attention"]["flash_attn"] == "off"
+
+
+def test_bad_attention_options_are_one_clear_line(cli):
+    one_line_error(cli("run", "--prompt", "x", "--flash-attn", "maybe"), 2, "--flash-attn", "'maybe'")
+    one_line_error(cli("run", "--prompt", "x", "--cache-type", "q5_1"), 2, "--cache-type", "'q5_1'")
+    one_line_error(cli("run", "--prompt", "x", "--flash-attn", "off", "--cache-type", "q8_0"), 2,
+                   "q8_0 quantizes the V cache", "flash attention on")
+
+
+def test_a_corrupt_tuning_is_a_warning_not_a_failure(cli, smollm2_path, tmp_path):
+    from page_local.native.runtime import Model
+
+    with Model(smollm2_path) as m:
+        path = store.tuning_path(attention.tuning_key(smollm2_path, m, 2))
+    path.parent.mkdir(parents=True)
+    path.write_text("\x00garbage")
+    res = cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "512", "--json")
+    assert res.exit_code == 0
+    assert "warning: ignoring the unreadable attention tuning" in res.stderr
+    assert json.loads(res.stdout)["attention"]["source"] == "default"
+
+
+DOC = ("The archive keeps many records. " * 30 + "The vault code is 8841. " + "Old ledgers fill the shelves. " * 30
+       + "What is the vault code?")
+
+
+@pytest.mark.parametrize("fa, ct", [("on", "f16"), ("off", "f16"), ("on", "q8_0"), ("on", "q4_0")],
+                         ids=["flash-on-f16", "flash-off-f16", "flash-on-q8_0", "flash-on-q4_0"])
+def test_every_step_on_each_path_and_cache_type(smollm2_path, fa, ct, tmp_path):
+    """Probe and gate, eviction + compaction, the verify check, snapshot / restore, and room-making, with
+    this attention path and cache type."""
+    from page_local.engine import Engine
+
+    with Engine(smollm2_path, n_ctx=512, budget=0.5, gate="always", flash_attn=fa, type_kv=ct, threads=2) as eng:
+        assert (eng.attention.flash_attn, eng.attention.cache_type) == (fa, ct)
+        assert eng.ctx.config.flash_attn == fa and eng.ctx.config.type_kv == ct
+        d = _turn(eng, DOC, 4).decision
+        assert d.evicted and d.kept < d.T and np.isfinite(d.D)  # probe -> D, eviction (compacted)
+        snap = eng.snapshot()
+        eng.set_gate("verify")
+        eng.reset()
+        d2 = _turn(eng, DOC, 4).decision  # the check: the answer teacher-forced on the evicted copy
+        assert d2.T == d.T and d2.verify_score is not None and d2.verify_m >= 1
+        eng.restore(snap)  # save / restore on this cache type
+        assert tuple(eng.history) == snap.history and eng.cells_used() == len(snap.positions)
+        eng.set_gate("never")
+        d3 = _turn(eng, " " + DOC, 2).decision  # does not fit beside the conversation: room is made
+        assert d3.room_evicted > 0 and eng.cells_used() <= eng.n_ctx
+
+
+def _turn(eng, text: str, max_tokens: int):
+    """One turn that continues the conversation (Engine.generate would start a new one)."""
+    stream = eng.stream(text, max_tokens=max_tokens)
+    for _ in stream:
+        pass
+    return stream.result
+
+
+def test_a_cache_saved_under_one_path_says_why_it_does_not_restore_under_the_other(smollm2_path):
+    from page_local.engine import Engine
+    from page_local.errors import StateFileError
+
+    with Engine(smollm2_path, n_ctx=256, gate="never", flash_attn="on", threads=2) as on:
+        _turn(on, "Hello there.", 2)
+        snap = on.snapshot()
+    with Engine(smollm2_path, n_ctx=256, gate="never", flash_attn="off", threads=2) as off:
+        with pytest.raises(StateFileError, match="flash attention off with cache type f16"):
+            off.restore(snap)
+        assert off.history == [] and off.cells_used() == 0
