@@ -39,6 +39,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from page_local.engine.turn import W
 from page_local.serve.guards import NO_KEY
 from page_local.serve.protocol import ApiError
 
@@ -198,6 +199,12 @@ class Slot:
         else:
             self._push_out(n_live)
         n = min(n_live, len(tokens) - 1)
+        if n == len(tokens) - 1:
+            # the whole prompt is cached (a request sent again): its last W tokens are read again as one batch,
+            # as a fresh prefill reads them, so the probe sees the same window and the logits are the same bits
+            # (llama.cpp's plain attention path rounds a 1-token batch differently from a W-token one: a
+            # seeded, sampled answer would change with the cache)
+            n = max(0, len(tokens) - W)
         if n < len(eng.history):
             eng.rewind(n)  # rewind(0) resets
         if n == 0:
