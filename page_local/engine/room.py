@@ -53,8 +53,9 @@ ROOM_RANKINGS = ("question", "recent")  # what ranks the cells room-making evict
 # The evictor that ranks them: SnapKV's score, averaged over 15 neighbouring positions (SnapKV's own
 # pooling; PAGE's speed budget uses none). Without it the question's queries keep a needle's key words and
 # lose the digits after them: in 2 long documents whose fact SmolLM2 answered with the full cache, plain
-# SnapKV kept 3 and 2 of the value's 8 tokens, pooled 8 and 6 (one answered). Any evictor that needs only
-# the probe can replace it (set_room_evictor).
+# SnapKV kept 3 and 2 of the value's 8 tokens, pooled 8 and 6 (one answered). Not settled: at n_ctx 4096
+# one document was answered unpooled and pooled over 7, not over 15 (docs/design.md §5.1). Any evictor that
+# needs only the probe can replace it (set_room_evictor).
 ROOM_EVICTOR = ("snapkv", {"pool": "avg", "kernel": 15})
 MIN_ANSWER = 64  # a message is read whole (never evicted) when it fits with this many answer cells to spare
 # the answer's room made before a message (from earlier turns; from the message only when it is longer than
