@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 from page_local import defaults
 from page_local.chat.session import SAVE_FORMAT, ChatSession, Message
 from page_local.engine import Decision, Result, Sampling
+from page_local.engine.attention import Attention
 from page_local.engine.room import check_on_full
 from page_local.errors import ChatFileError
 from page_local.evictors import get_evictor
@@ -107,6 +108,8 @@ class FakeEngine:
         self.n_ctx = n_ctx
         self.placement = {"layers": "CPU", "kv_cache": "CPU", "n_gpu_layers": 0, "gpu_layers": 0}
         self.profile_warning = profile_warning
+        self.attention = Attention("off", "f16", "default", "default for the CPU: flash attention off")
+        self.attention_warning = None
         self.set_budget(budget)
         self.set_evictor(evictor)
         self.set_gate(gate)

@@ -52,8 +52,11 @@ def test_run_json(cli, tmp_path):
     res = cli("run", "--prompt", PROMPT, "--json", "--gate", "never", *SMALL)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert set(out) == {"text", "finish_reason", "decision", "tokens_per_s", "device"}
+    assert set(out) == {"text", "finish_reason", "decision", "tokens_per_s", "device", "attention"}
     assert set(out["decision"]) == {f.name for f in fields(Decision)}
+    # untuned (the test's user directory is empty): the backend's default, said with its reason
+    assert out["attention"]["source"] == "default" and out["attention"]["cache_type"] == "f16"
+    assert out["attention"]["flash_attn"] == ("off" if out["device"]["layers"] == "CPU" else "on")
     assert out["text"].startswith(" Paris") and out["finish_reason"] == "length" and out["tokens_per_s"] > 0
     assert out["decision"]["gate_mode"] == "never" and out["decision"]["kept"] == out["decision"]["T"]
 
