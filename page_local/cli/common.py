@@ -181,10 +181,15 @@ def _set_rpc(ctx: click.Context, param, value):
         raise click.BadParameter(str(e).removeprefix("--rpc: "), ctx=ctx, param=param) from None
     if not servers:
         raise click.BadParameter("give at least one HOST:PORT", ctx=ctx, param=param)
-    before = os.environ.get(RPC_ENV)
-    os.environ[RPC_ENV] = ",".join(servers)
-    ctx.call_on_close(lambda: os.environ.pop(RPC_ENV, None) if before is None else os.environ.update({RPC_ENV: before}))
+    _set_env_for_command(ctx, RPC_ENV, ",".join(servers))
     return None
+
+
+def _set_env_for_command(ctx: click.Context, var: str, value: str) -> None:
+    """$var = value for this command; the variable is put back when the command ends."""
+    before = os.environ.get(var)
+    os.environ[var] = value
+    ctx.call_on_close(lambda: os.environ.pop(var, None) if before is None else os.environ.update({var: before}))
 
 
 def rpc_option(f):
@@ -199,11 +204,8 @@ def _env_option(var: str):
     subprocesses too), putting the variable back when the command ends; None leaves it alone."""
 
     def callback(ctx: click.Context, param, value):
-        if value is None:
-            return None
-        before = os.environ.get(var)
-        os.environ[var] = value
-        ctx.call_on_close(lambda: os.environ.pop(var, None) if before is None else os.environ.update({var: before}))
+        if value is not None:
+            _set_env_for_command(ctx, var, value)
         return None
 
     return callback
