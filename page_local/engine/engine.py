@@ -132,6 +132,9 @@ class Engine(ContextPolicy):
         self.profile_warning = self.gate.warning
         self.history: list[int] = []  # tokens in seq 0, in order (evicted ones included)
         self._pos: list[int] = []  # the position of each history token (its index until gaps are closed)
+        # history indices evicted to make room (room.py), as opposed to by the speed budget; None: not known
+        # (a conversation restored from a snapshot, which does not record why its cells went)
+        self._room_out: set[int] | None = set()
         self.pipeline = Pipeline(self.ctx, self.model)  # the turn's steps (turn.py), shared with eval and bench
 
     # --- settings ----------------------------------------------------------------------------
@@ -201,6 +204,8 @@ class Engine(ContextPolicy):
             if n_tokens < len(self.history):
                 self.ctx.seq_rm(0, self._pos[n_tokens], -1)
             del self.history[n_tokens:], self._pos[n_tokens:]
+            if self._room_out:
+                self._room_out = {i for i in self._room_out if i < n_tokens}
 
     def snapshot(self) -> Snapshot:
         """The conversation's cache and token history, copied to host memory (see restore)."""
@@ -235,6 +240,7 @@ class Engine(ContextPolicy):
         if why is None:
             self.history = list(snap.history)
             self._pos = list(snap.history_pos) if snap.history_pos else list(range(len(snap.history)))
+            self._room_out = None if len(snap.positions) < len(snap.history) else set()
             return
         self.reset()
         if before is not None:  # put the conversation back as it was
@@ -246,11 +252,26 @@ class Engine(ContextPolicy):
     def cells_used(self) -> int:
         return self.ctx.cells_used(0)
 
+    def cache_map(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Which tokens of the conversation the cache holds now, and why the others went: (bool
+        (len(history),) held, bool (len(history),) evicted to make room or None when that is not known: a
+        conversation restored from a snapshot). A token neither held nor evicted for room was evicted by
+        the speed budget (the gate's Decision)."""
+        with self._busy():
+            held = np.zeros(len(self.history), dtype=bool)
+            held[held_indices(self._pos, self.ctx.page.positions(0))] = True
+            if self._room_out is None:
+                return held, None
+            room = np.zeros(len(self.history), dtype=bool)
+            room[[i for i in self._room_out if i < room.size]] = True
+            return held, room & ~held
+
     def reset(self) -> None:
         """Forget the conversation: the KV cache is cleared."""
         self.ctx.clear()
         self.history = []
         self._pos = []
+        self._room_out = set()
 
     # --- one turn ----------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS, sampling: Sampling | None = None,
@@ -586,6 +607,14 @@ class _AfterAnswer:
         la = self.pipe.answer_lookahead(self.ev.spec, answer, self.last_pos, seq=0, work=1)
         sig = dict(self.signals, answer_lookahead=la)
         return [(b, self.pipe.select(self.ev, self.pre, b, sig, self.seed)) for b in self.budgets], la.ms
+
+
+def held_indices(pos_of, held) -> np.ndarray:
+    """i64 (len(held),): the history index of each held position. After close_gaps an evicted token shares
+    the position of the next held one (room.renumber) and comes before it: the last index with that
+    position is the held token."""
+    return np.searchsorted(np.asarray(pos_of, dtype=np.int64), np.asarray(held, dtype=np.int64),
+                           side="right") - 1
 
 
 def check_pair(evictor, gate_mode: str) -> None:

@@ -173,6 +173,7 @@ class ContextPolicy:
                 raise ContextFull(used, len(toks) + 1, n_ctx)
             return self._prefill_and_gate(toks, evict_now=evict_now, select=select)
         before = self.snapshot() if self.history else None
+        room_out = None if self._room_out is None else set(self._room_out)
         room = _room()
         question = list(toks[-W:]) if self.room_ranking == "question" else None
         try:
@@ -207,6 +208,7 @@ class ContextPolicy:
             self.reset()
             if before is not None:  # the message never happened
                 self._restore(before)
+                self._room_out = room_out
             raise
         prompt_pos = np.asarray(self._pos[len(self.history) - len(toks):], dtype=np.int64)
         dec.prompt_tokens, dec.prompt_held = len(toks), int(np.isin(prompt_pos, self.ctx.page.positions(0)).sum())
@@ -261,6 +263,9 @@ class ContextPolicy:
             else:
                 drop = cand
             ctx.page.evict(0, drop)
+            if self._room_out is not None:  # which history tokens went, and why (Engine.cache_map)
+                idx = np.searchsorted(np.asarray(self._pos, dtype=np.int64), drop, side="right") - 1
+                self._room_out.update(int(i) for i in idx)  # (the held token of a shared position: renumber)
             if self.compact:
                 ctx.page.compact(0)
             room["evicted"] += int(drop.size)

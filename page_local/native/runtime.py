@@ -228,13 +228,14 @@ class Model:
     def detokenize(self, tokens: list[int]) -> str:
         return self._m.detokenize(list(tokens)).decode("utf-8", "replace")
 
-    def token_to_piece(self, token: int) -> bytes:
-        """The bytes of one token (possibly part of a UTF-8 character)."""
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (possibly part of a UTF-8 character); special: control tokens as their
+        text (<|im_start|>), else as nothing."""
         lc = native.llama_cpp()
         size = 64
         while True:
             buf = ctypes.create_string_buffer(size)
-            n = lc.llama_token_to_piece(self.vocab, int(token), buf, size, 0, False)
+            n = lc.llama_token_to_piece(self.vocab, int(token), buf, size, 0, bool(special))
             if n >= 0:
                 return buf.raw[:n]
             size = -n

@@ -5,6 +5,7 @@
     POST /v1/chat/completions     chat, streamed (SSE) or not
     POST /v1/completions          plain text, streamed or not
     GET  /v1/page_local/stats     slots, queue, conversation cache, counts, resident memory
+    GET  /  and  /ui/{file}       the web UI (web.py): a chat page that shows what the cache holds
 
 Before a route sees a request, guards.py checks its Host, its Origin (a web page's), its key and,
 for a POST, that it is JSON; a request is refused with 503 while the queue is full before its body
@@ -207,6 +208,9 @@ def create_app(backend: Backend):
                    Route(f"{prefix}/chat/completions", chat, methods=["POST"]),
                    Route(f"{prefix}/completions", completions, methods=["POST"]),
                    Route(f"{prefix}/page_local/stats", stats, methods=["GET"])]
+    from page_local.serve import web
+
+    routes += web.routes()
     hosts = HostPolicy(s.host, s.allow_hosts)
     middleware = [Middleware(HostGuard, policy=hosts),
                   Middleware(OriginGuard, policy=OriginPolicy(s.cors_origins, hosts))]

@@ -171,9 +171,9 @@ class Backend:
                       "no_chat_template")
         mark = "\u2063page-local\u2063"
         system = list(itertools.takewhile(lambda m: m["role"] == "system", job.messages))
+        text = self.render(job)
         with self._render_lock:
             try:
-                text = self.template.render(job.messages, generation_prompt=True)
                 head = self.template.render(system + [{"role": "user", "content": mark}], generation_prompt=False)
             except ValueError as e:  # ChatTemplateError: the template refused this conversation
                 raise bad(str(e), "messages") from None
@@ -181,6 +181,37 @@ class Backend:
         head = head[: head.find(mark)] if mark in head else ""
         keep = model.tokenize(head, add_special=True) if head else []
         return toks, (len(keep) if toks[: len(keep)] == keep else 0)
+
+    def render(self, job: Job) -> str:
+        """The chat request's conversation as the model reads it (the template, the assistant's turn opened),
+        or a text request's prompt. Thread-safe."""
+        if job.kind != "chat":
+            return job.prompt
+        with self._render_lock:
+            try:
+                return self.template.render(job.messages, generation_prompt=True)
+            except ValueError as e:  # ChatTemplateError: the template refused this conversation
+                raise bad(str(e), "messages") from None
+
+    def cache_map(self, eng, job: Job, tokens: list[int], answer: list[int], shown: str) -> dict | None:
+        """The response's `cache_map` (held.py): which tokens of the conversation (the request's `tokens`,
+        then the `answer` tokens) the engine's cache holds, in the messages' characters; None when the
+        engine's history is not that conversation."""
+        from page_local.serve import held
+
+        if list(eng.history) != list(tokens) + list(answer):  # not expected: the slot prefilled the request
+            log.warning("the cache map was skipped: the engine's history is not the request's conversation")
+            return None
+        try:
+            mask, room = eng.cache_map()
+            model = eng.model
+            contents = [m["content"] for m in job.messages] if job.kind == "chat" else None
+            return held.cache_map(mask, room, [model.token_to_piece(t, special=True) for t in tokens],
+                                  self.render(job), contents, [model.token_to_piece(t) for t in answer], shown,
+                                  eng.n_ctx)
+        except Exception:  # a view of the answer, not the answer: its failure must not cost the answer
+            log.exception("the cache map failed")
+            return None
 
     def run(self, slot: Slot, job: Job, tokens: list[int], n_keep: int, emit: Callable[[tuple], None],
             cancel: threading.Event) -> None:
@@ -206,10 +237,12 @@ class Backend:
             sampling = Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed)
             stream = eng.stream(tail, max_tokens=job.max_tokens, sampling=sampling, add_special=False)
             scanner = StopScanner(job.stop)
+            shown = []  # the answer as sent: what the cache map places the answer's tokens in
             try:
                 for piece in stream:
                     text = scanner.feed(piece)
                     if text:
+                        shown.append(text)
                         emit(("text", text))
                     if scanner.stopped or cancel.is_set():
                         break
@@ -217,13 +250,16 @@ class Backend:
                 stream.close()
             rest = scanner.flush()
             if rest:
+                shown.append(rest)
                 emit(("text", rest))
             res = stream.result
             use = usage(len(tokens), len(res.tokens), reuse.tokens)
             self._count(use, cancelled=cancel.is_set())
             finished = True
+            extension = self._extension(res, reuse, eng)
+            extension["cache_map"] = self.cache_map(eng, job, tokens, res.tokens, "".join(shown))
             last = ("done", {"finish": finish_reason(res.finish_reason, scanner.stopped), "usage": use,
-                             "page_local": self._extension(res, reuse, eng)})
+                             "page_local": extension})
         except ContextFull as e:
             self._count(None)
             n = reuse.tokens if reuse else 0
@@ -304,10 +340,13 @@ class Backend:
         if d is not None:
             decision = finite(d.to_dict())
             decision["summary"] = narrate.summary(res)
+            decision["verdict"] = narrate.status(d)  # the status phrase (the REPL's line)
         return {"decision": decision,
                 "cache": {"reused_tokens": reuse.tokens, "source": reuse.source, "reused_evicted": reuse.evicted},
                 "settings": {"gate": eng.gate_mode, "budget": eng.budget, "evictor": eng.evictor,
-                             "verify_tokens": eng.verify_tokens, "on_full": eng.on_full}}
+                             "verify_tokens": eng.verify_tokens, "on_full": eng.on_full},
+                "answer": {"tokens": len(res.tokens), "gen_ms": res.gen_s * 1e3,
+                           "tokens_per_s": res.tokens_per_s}}
 
     def _count(self, use: dict | None, cancelled: bool = False) -> None:
         with self._count_lock:

@@ -25,6 +25,10 @@ from page_local.serve.protocol import ApiError
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 OPEN_PATHS = frozenset({"/health", "/v1/health"})  # what a launcher polls before it has a key to send
+# the web UI's page and files (web.py): a browser cannot send a key with a navigation, and they hold no
+# secret; the page then sends the key with its API calls (GET and HEAD only)
+PAGE_PATHS = frozenset({"/"})
+PAGE_PREFIX = "/ui/"
 NO_KEY = ""  # the one namespace of a server without keys
 
 
@@ -197,7 +201,9 @@ class KeyGuard:
         if not self.keys:
             scope.setdefault("state", {})["namespace"] = NO_KEY
             return await self.app(scope, receive, send)
-        if scope["path"] in OPEN_PATHS:
+        path = scope["path"]
+        if path in OPEN_PATHS or (scope["method"] in ("GET", "HEAD")
+                                  and (path in PAGE_PATHS or path.startswith(PAGE_PREFIX))):
             return await self.app(scope, receive, send)
         given = b""
         for name, value in scope.get("headers", ()):
