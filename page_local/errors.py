@@ -7,6 +7,7 @@
       ContextTooLong (ValueError)        n_ctx above the model's trained context
       ContextFull (RuntimeError)         the turn does not fit and nothing may be dropped
       EngineBusy (RuntimeError)          a second caller while a turn runs
+      Cancelled (RuntimeError)           a prefill stopped by its cancel flag (a client gone, a shutdown)
       DecodeError (RuntimeError)         llama_decode failed
         RemoteLost                       an RPC server stopped answering mid-run
       PageError (RuntimeError)           a page-local native call failed (code = LLAMA_PAGE_ERR_*)
@@ -65,6 +66,11 @@ class ContextFull(PageLocalError, RuntimeError):
 
 class EngineBusy(PageLocalError, RuntimeError):
     """An Engine is not thread-safe: one generation at a time."""
+
+
+class Cancelled(PageLocalError, RuntimeError):
+    """A prefill stopped between two batches because its cancel flag was set (Engine.set_cancel): the
+    conversation is left as it was before the message."""
 
 
 class DecodeError(PageLocalError, RuntimeError):

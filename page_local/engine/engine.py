@@ -178,6 +178,13 @@ class Engine(ContextPolicy):
         rule, threshold = check_rule(rule, threshold)
         self.verify_tokens, self.verify_threshold, self.verify_rule = tokens, threshold, rule
 
+    def set_cancel(self, flag) -> None:
+        """flag: None, or an object with is_set() (a threading.Event) that another thread may set. Once it
+        is set, a prefill (of a turn, of prefill(), of measure()) stops before its next batch of n_batch
+        tokens (one ubatch) with Cancelled, and the conversation is as it was before the message (room
+        made for it included). Generation is not affected: stop a Stream with close()."""
+        self.pipeline.cancel = flag
+
     @property
     def evictor(self) -> str:
         return self._evictor.name

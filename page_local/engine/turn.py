@@ -80,6 +80,7 @@ class Pipeline:
     def __init__(self, ctx, model):
         self.ctx, self.model = ctx, model
         self._out_proj: dict[str, np.ndarray] = {}
+        self.cancel = None  # an object with is_set(): a prefill stops before its next batch once set (Cancelled)
 
     # --- prefill and probe -----------------------------------------------------------------------
     def prefill(self, toks: Sequence[int], pos0: int, seq: int = 0, track_attention: bool = False) -> Prefilled:
@@ -89,9 +90,13 @@ class Pipeline:
         n = len(toks)
         w = min(W, n)
         t0 = time.perf_counter()
-        attn = self._decode_tracked(toks[: n - w], pos0, seq, track_attention)
-        page.arm_probe(seq, TOP_K)
-        ctx.decode(list(toks[n - w:]), pos0 + n - w, seq)
+        try:  # a cancelled prefill (Cancelled between batches) leaves no probe armed; its cells are the caller's
+            attn = self._decode_tracked(toks[: n - w], pos0, seq, track_attention)
+            page.arm_probe(seq, TOP_K)
+            ctx.decode(list(toks[n - w:]), pos0 + n - w, seq, cancel=self.cancel)
+        except BaseException:
+            page.disarm_probe()
+            raise
         logits = ctx.logits()
         t1 = time.perf_counter()
         probe = page.read_probe()
@@ -108,14 +113,14 @@ class Pipeline:
         if not len(toks):
             return None
         if not track:
-            self.ctx.decode(list(toks), pos0, seq, logits="none")
+            self.ctx.decode(list(toks), pos0, seq, logits="none", cancel=self.cancel)
             return None
         acc: dict[int, np.ndarray] = {}
         step = self.ctx.n_ubatch
         for s in range(0, len(toks), step):
             chunk = list(toks[s: s + step])
             self.ctx.page.arm_probe(seq, 1)
-            self.ctx.decode(chunk, pos0 + s, seq, logits="none")
+            self.ctx.decode(chunk, pos0 + s, seq, logits="none", cancel=self.cancel)
             r = self.ctx.page.read_probe()
             mass = r.mean * r.n_query  # f32 (n_layer, n_pos): summed over this chunk's queries
             for i, p in enumerate(r.positions.tolist()):

@@ -26,7 +26,7 @@ import numpy as np
 from page_local.native import backend, llama_log
 from page_local.native import rpc as rpc_mod
 from page_local.native import pageops as native
-from page_local.errors import ContextTooLong, DecodeError, ModelError, RemoteLost
+from page_local.errors import Cancelled, ContextTooLong, DecodeError, ModelError, RemoteLost
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}
@@ -222,6 +222,13 @@ class Model:
     def metadata(self) -> dict[str, str]:
         return self._m.metadata()
 
+    @property
+    def description(self) -> str:
+        """llama.cpp's one line about the model: architecture, size and weight type ("llama 135M Q4_1")."""
+        buf = ctypes.create_string_buffer(256)
+        n = native.llama_cpp().llama_model_desc(self.ptr, buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n > 0 else ""
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self._m.tokenize(text.encode("utf-8"), add_special, parse_special)
 
@@ -335,10 +342,17 @@ class Context:
         self._lc = lc
 
     # --- decoding ----------------------------------------------------------------------------
-    def decode(self, tokens, pos0: int, seq_id: int = 0, logits: str | np.ndarray = "last") -> None:
+    def decode(self, tokens, pos0: int, seq_id: int = 0, logits: str | np.ndarray = "last",
+               cancel=None) -> None:
         """Decode `tokens` at positions pos0.. in seq_id, in chunks of n_batch.
 
         logits: "last" (only the final token), "all", "none", or a bool mask per token.
+        cancel: None, or an object with is_set() (a threading.Event) asked before each chunk: once it is
+        set, Cancelled is raised before the next chunk is decoded (the chunks already decoded stay in the
+        cache: the caller removes them). A chunk is one ubatch when n_batch == n_ubatch (the default), so a
+        long prefill stops within one ubatch. (Not llama_set_abort_callback: ggml's CPU backend calls it
+        before every graph node, and a Python callback would take the GIL hundreds of times per ubatch,
+        while the event loop and other slots hold it; the GPU backends do not consult it mid-graph.)
         """
         tokens = list(tokens)
         n = len(tokens)
@@ -358,6 +372,8 @@ class Context:
                 raise ValueError(f"logits mask has shape {mask.shape}, expected ({n},)")
         b = self._batch
         for s in range(0, n, self.n_batch):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"decoding stopped by its cancel flag after {s} of {n} tokens")
             m = min(self.n_batch, n - s)
             for i in range(m):
                 b.token[i] = tokens[s + i]
