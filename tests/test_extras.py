@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-EXTRAS = ("pytest", "xdist", "hypothesis", "pexpect", "openai", "httpx",  # [test]
-          "starlette", "uvicorn", "sse_starlette")  # [serve]
+EXTRAS = ("pytest", "xdist", "hypothesis", "pexpect", "openai", "httpx", "ollama",  # [test]
+          "starlette", "uvicorn", "sse_starlette", "prometheus_client")  # [serve]
 
 
 @pytest.mark.skipif(os.environ.get("PAGE_LOCAL_REQUIRE_EXTRAS") != "1",

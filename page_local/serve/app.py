@@ -5,6 +5,8 @@
     POST /v1/chat/completions     chat, streamed (SSE) or not
     POST /v1/completions          plain text, streamed or not
     GET  /v1/page_local/stats     slots, queue, conversation cache, counts, resident memory
+    GET  /metrics                 Prometheus text (metrics.py)
+    /api/...                      Ollama's API (ollama.py): version, tags, show, ps, chat, generate
     GET  /  and  /ui/{file}       the web UI (web.py): a chat page that shows what the cache holds
 
 Before a route sees a request, guards.py checks its Host, its Origin (a web page's), its key and,
@@ -22,7 +24,7 @@ import asyncio
 import json
 from contextlib import asynccontextmanager
 
-from page_local.serve import protocol
+from page_local.serve import ollama, protocol
 from page_local.serve.backend import Backend, Turn
 from page_local.serve.guards import (
     NO_KEY,
@@ -33,6 +35,7 @@ from page_local.serve.guards import (
     OriginGuard,
     OriginPolicy,
 )
+from page_local.serve.metrics import HttpMetrics
 from page_local.serve.protocol import ApiError
 
 
@@ -184,11 +187,19 @@ def create_app(backend: Backend):
         return JSONResponse(protocol.body(kind, rid, created, name, "".join(parts), done["finish"], done["usage"],
                                           done["page_local"]))
 
+    def ollama_shaped(request) -> bool:  # Ollama's routes answer errors as {"error": "..."}
+        return request.url.path.startswith("/api/")
+
+    async def metrics(request):
+        body, content_type = backend.metrics.exposition(backend)
+        return Response(body, media_type=content_type)
+
     async def on_api_error(request, e: ApiError):
-        return error_response(e)
+        return ollama.error_response(e) if ollama_shaped(request) else error_response(e)
 
     async def on_internal(request, e: Exception):  # a bug: the envelope all the same (the trace is logged)
-        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error"))
+        err = ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+        return await on_api_error(request, err)
 
     async def on_http_error(request, e: HTTPException):
         if e.status_code == 404:
@@ -198,7 +209,7 @@ def create_app(backend: Backend):
             err = ApiError(405, f"{request.method} is not allowed on {request.url.path}", "method_not_allowed")
         else:
             err = ApiError(e.status_code, str(e.detail), "http_error")
-        return error_response(err)
+        return await on_api_error(request, err)
 
     routes = []
     for prefix in ("", "/v1"):
@@ -208,11 +219,13 @@ def create_app(backend: Backend):
                    Route(f"{prefix}/chat/completions", chat, methods=["POST"]),
                    Route(f"{prefix}/completions", completions, methods=["POST"]),
                    Route(f"{prefix}/page_local/stats", stats, methods=["GET"])]
+    routes += [Route("/metrics", metrics, methods=["GET"]), *ollama.routes(backend, ready, namespace)]
     from page_local.serve import web
 
     routes += web.routes()
     hosts = HostPolicy(s.host, s.allow_hosts)
-    middleware = [Middleware(HostGuard, policy=hosts),
+    middleware = [Middleware(HttpMetrics, metrics=backend.metrics, routes=routes),  # refusals counted too
+                  Middleware(HostGuard, policy=hosts),
                   Middleware(OriginGuard, policy=OriginPolicy(s.cors_origins, hosts))]
     if s.cors_origins:  # off unless asked for; outside the key guard, so that preflights get through, and
         # around it, so that an allowed page can read a 401 or 415; any header (the SDKs send their own),

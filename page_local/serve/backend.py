@@ -20,7 +20,7 @@ from pathlib import Path
 
 from page_local import defaults
 from page_local.engine import narrate
-from page_local.errors import ContextFull, EngineBusy, PageLocalError, RemoteLost
+from page_local.errors import Cancelled, ContextFull, EngineBusy, PageLocalError, RemoteLost
 from page_local.serve.protocol import (
     ApiError,
     Job,
@@ -30,6 +30,7 @@ from page_local.serve.protocol import (
     finite,
     usage,
 )
+from page_local.serve.metrics import Metrics
 from page_local.serve.slots import Slot, SlotPool, SnapshotCache
 
 log = logging.getLogger("page_local.serve")
@@ -86,6 +87,7 @@ class Backend:
         self.counts = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
                        "completion_tokens": 0}
         self._count_lock = threading.Lock()
+        self.metrics = Metrics()  # GET /metrics (metrics.py), counted where a request ends
         self._loader: threading.Thread | None = None
         self._state_lock = threading.Lock()
 
@@ -222,6 +224,7 @@ class Backend:
         leaves the slot as it was, one that fails later makes the slot forget its conversation."""
         eng = slot.engine
         slot.cancel = cancel
+        eng.set_cancel(cancel)  # a set `cancel` also stops the prefill between ubatches (Cancelled)
         saved = (eng.gate_mode, eng.budget, eng.evictor, eng.verify_tokens, eng.on_full)
         reuse = None
         placed = finished = False
@@ -231,6 +234,7 @@ class Backend:
             placed = True
             reuse = slot.prepare(tokens, job.namespace)
             tail = tokens[reuse.tokens:]
+            cells = eng.cells_used()  # (what this request evicted: the cells it added that are gone after)
             eng.n_keep = n_keep
             from page_local.engine.engine import Sampling
 
@@ -254,12 +258,17 @@ class Backend:
                 emit(("text", rest))
             res = stream.result
             use = usage(len(tokens), len(res.tokens), reuse.tokens)
-            self._count(use, cancelled=cancel.is_set())
+            self._count(use, cancelled=cancel.is_set(), res=res,
+                        evicted=cells + len(tail) + len(res.tokens) - eng.cells_used())
             finished = True
             extension = self._extension(res, reuse, eng)
             extension["cache_map"] = self.cache_map(eng, job, tokens, res.tokens, "".join(shown))
             last = ("done", {"finish": finish_reason(res.finish_reason, scanner.stopped), "usage": use,
                              "page_local": extension})
+        except Cancelled:  # the client went away (or the server is stopping) during the prefill
+            self._count(None, prefill_cancelled=True)
+            last = ("error", ApiError(503, "the request was cancelled during its prefill (the client went away or "
+                                           "the server is stopping)", "cancelled"))
         except ContextFull as e:
             self._count(None)
             n = reuse.tokens if reuse else 0
@@ -289,6 +298,7 @@ class Backend:
             last = ("error", ApiError(500, f"{type(e).__name__}: {e}", "internal_error"))
         finally:
             slot.cancel = None
+            eng.set_cancel(None)
             try:
                 self._restore(eng, saved)
                 if finished:
@@ -348,16 +358,28 @@ class Backend:
                 "answer": {"tokens": len(res.tokens), "gen_ms": res.gen_s * 1e3,
                            "tokens_per_s": res.tokens_per_s}}
 
-    def _count(self, use: dict | None, cancelled: bool = False) -> None:
+    def _count(self, use: dict | None, cancelled: bool = False, res=None, evicted: int = 0,
+               prefill_cancelled: bool = False) -> None:
+        """A request's end in the stats' counts and the metrics: use None for one that did not finish
+        (an error, or prefill_cancelled); evicted: the cells it evicted (the gate's and room-making's)."""
         with self._count_lock:
             self.counts["requests"] += 1
             if use is None:
-                self.counts["errors"] += 1
+                self.counts["cancelled" if prefill_cancelled else "errors"] += 1
+                if prefill_cancelled:
+                    self.metrics.cancelled_prefill()
+                else:
+                    self.metrics.failed()
                 return
             self.counts["cancelled"] += int(cancelled)
             self.counts["prompt_tokens"] += use["prompt_tokens"]
             self.counts["cached_tokens"] += use["prompt_tokens_details"]["cached_tokens"]
             self.counts["completion_tokens"] += use["completion_tokens"]
+        d = res.decision if res is not None else None
+        room = d.room_evicted if d is not None else 0
+        self.metrics.finished(use["prompt_tokens"], use["prompt_tokens_details"]["cached_tokens"],
+                              use["completion_tokens"], d, gate_cells=evicted - room, room_cells=room,
+                              cancelled=cancelled)
 
     # --- how it is doing -----------------------------------------------------------------------
     def stats(self, namespace: str = "") -> dict:

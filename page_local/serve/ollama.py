@@ -1,0 +1,414 @@
+"""Ollama's API on the same server, so that apps written for Ollama work unchanged:
+
+    GET  /api/version     {"version"}: the Ollama release whose API this follows
+    GET  /api/tags        the served model, as Ollama lists its local models
+    POST /api/show        its details, GGUF metadata (model_info), chat template, capabilities
+    GET  /api/ps          the model as loaded (it stays loaded while the server runs)
+    POST /api/chat        chat; NDJSON stream unless "stream": false (Ollama's default is a stream)
+    POST /api/generate    a prompt, rendered with the chat template (raw: as is); streamed the same way
+
+A chat or generate request is translated into the OpenAI request the /v1 routes take (protocol.parse_job
+validates it, so the rules live in one place) and runs on the same path: the guards (Host, Origin, keys,
+JSON), the queue, a slot, the conversation cache of its key. What page-local cannot honour is refused
+with a 400 that names the field; errors are Ollama's {"error": "..."}.
+
+Options. temperature, top_p, top_k, seed, num_predict (-1 and -2: until the context is full), stop,
+and the sampling fields the OpenAI routes take (min_p, repeat_penalty, presence_penalty,
+frequency_penalty) map to the OpenAI fields. Absent ones take Ollama's defaults (temperature 0.8, top_k
+40, top_p 0.9), not OpenAI's. The load-time options (num_ctx, num_batch, num_gpu, num_thread, ...) are
+ignored: Ollama itself applies them by loading the model again, and apps send them with every request
+(Continue sends num_ctx always), so a refusal would break those apps; this server's context is fixed
+when it starts (--n-ctx), and /api/show and /api/ps say what it is. Any other option is refused by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import time
+from datetime import datetime, timedelta, timezone
+
+from page_local.serve import protocol
+from page_local.serve.protocol import ApiError, bad
+
+OLLAMA_VERSION = "0.32.0"  # the Ollama release whose API shapes these routes follow
+# options Ollama applies when it loads a model: ignored here (the module docstring says why)
+LOAD_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
+                          "vocab_only", "use_mmap", "use_mlock", "num_thread", "numa", "draft_num_predict"})
+# Ollama's option -> the OpenAI field it becomes
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop",
+            "num_predict": "max_tokens", "min_p": "min_p", "repeat_penalty": "repeat_penalty",
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+FAR = timedelta(days=365 * 292)  # Ollama's expires_at for a model kept loaded (keep_alive < 0)
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def error_response(e: ApiError):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+
+
+# --- requests -> the OpenAI request ------------------------------------------------------------
+
+def _options(body: dict, out: dict, names: dict) -> None:
+    """Ollama's `options` into `out` (the OpenAI body); names: OpenAI field -> the Ollama name, for errors."""
+    opts = body.get("options")
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, dict):
+        raise bad(f"options must be an object like {{\"temperature\": 0.2}}, got {type(opts).__name__}", "options")
+    for k, v in OLLAMA_DEFAULTS.items():
+        out.setdefault(k, v)
+    for key, value in opts.items():
+        if key in LOAD_OPTIONS or value is None:
+            continue
+        if key not in SAMPLING:
+            raise bad(f"options.{key} is not supported by page-local; it honours {', '.join(sorted(SAMPLING))} "
+                      f"(and ignores the load-time options {', '.join(sorted(LOAD_OPTIONS))})",
+                      f"options.{key}", "unsupported_parameter")
+        field = SAMPLING[key]
+        if key == "num_predict":
+            if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -2:
+                raise bad(f"options.num_predict must be a positive integer, or -1 / -2 (until the context is full), "
+                          f"got {value!r}", "options.num_predict")
+            if value < 0:
+                continue  # the default: until the end of the answer or of the context
+        if key == "stop" and isinstance(value, list) and not value:
+            continue
+        out[field] = value
+        names[field] = f"options.{key}"
+
+
+def _format(body: dict, out: dict, names: dict) -> None:
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    else:
+        raise bad(f"format must be \"json\" or a JSON schema object, got {fmt!r}", "format")
+    names["response_format"] = "format"
+
+
+def _refuse(body: dict) -> None:
+    """Ollama fields page-local cannot honour: refused by name."""
+    if body.get("think") not in (None, False):
+        raise bad("think is not supported by page-local (it does not separate a model's thinking from its answer)",
+                  "think", "unsupported_parameter")
+    if body.get("tools"):
+        raise bad("tools (tool calling) are not supported by page-local", "tools", "unsupported_parameter")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise bad("logprobs are not supported on page-local's Ollama routes", "logprobs", "unsupported_parameter")
+    if body.get("images"):
+        raise bad("images are not supported by page-local", "images", "unsupported_parameter")
+    for name in ("suffix", "template"):
+        if body.get(name):
+            raise bad(f"{name} is not supported by page-local", name, "unsupported_parameter")
+    if body.get("context"):
+        raise bad("context (the token list of an earlier /api/generate) is not supported by page-local: send the "
+                  "conversation to /api/chat, whose prefix is reused from the cache", "context",
+                  "unsupported_parameter")
+
+
+def _on_full(body: dict, out: dict) -> None:
+    """Ollama's truncate / shift false (error instead of dropping earlier context): page-local's on_full
+    "refuse", unless the request's page_local extension says otherwise."""
+    for name in ("truncate", "shift"):
+        v = body.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise bad(f"{name} must be true or false, got {v!r}", name)
+    if body.get("truncate") is False or body.get("shift") is False:
+        ext = out.setdefault("page_local", {})
+        if isinstance(ext, dict):
+            ext.setdefault("on_full", "refuse")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        return []
+    if not isinstance(msgs, list):
+        raise bad("messages must be a list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
+        if m.get("images"):
+            raise bad(f"messages[{i}].images: images are not supported by page-local", f"messages[{i}].images",
+                      "unsupported_parameter")
+        role = m.get("role")
+        msg = {"role": role.lower() if isinstance(role, str) else role, "content": m.get("content", "")}
+        for name in ("tool_calls", "tool_name", "tool_call_id"):
+            if m.get(name):
+                msg[name] = m[name]  # parse_job refuses tool messages by name
+        out.append(msg)  # (an assistant message's `thinking`, an earlier answer's, is not sent to the model)
+    return out
+
+
+def openai_request(body: dict, route: str) -> tuple[dict, str, dict]:
+    """(the OpenAI request body, its kind "chat" | "text", OpenAI field -> Ollama name for errors)."""
+    _refuse(body)
+    out: dict = {"model": body.get("model")}
+    names: dict = {}
+    ext = body.get("page_local")
+    if ext is not None:
+        out["page_local"] = ext
+    _on_full(body, out)
+    _options(body, out, names)
+    _format(body, out, names)
+    stream = body.get("stream", True)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad(f"stream must be true or false, got {stream!r}", "stream")
+    out["stream"] = True if stream is None else stream
+    if route == "chat":
+        out["messages"] = _messages(body)
+        return out, "chat", names
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise bad(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        raise bad(f"system must be a string, got {type(system).__name__}", "system")
+    raw = body.get("raw", False)
+    if not isinstance(raw, bool):
+        raise bad(f"raw must be true or false, got {raw!r}", "raw")
+    if raw:
+        if system:
+            raise bad("raw mode does not take a system prompt: put it in the prompt", "system")
+        out["prompt"] = prompt
+        return out, "text", names
+    out["messages"] = [{"role": "system", "content": system}] if system else []
+    out["messages"].append({"role": "user", "content": prompt})
+    return out, "chat", names
+
+
+def _renamed(e: ApiError, names: dict) -> ApiError:
+    """A parse_job error about a field that came from an Ollama one, told with the Ollama name."""
+    ollama = names.get(e.param or "")
+    if ollama is None:
+        return e
+    msg = e.message.replace(e.param, ollama, 1) if e.param in e.message else f"{ollama}: {e.message}"
+    return ApiError(e.status, msg, e.code, ollama, e.headers)
+
+
+# --- the routes --------------------------------------------------------------------------------
+
+def routes(backend, ready, namespace):
+    """Starlette routes over `backend`; ready() raises ApiError(503) until the model is loaded;
+    namespace(request) is the request's key namespace (guards.KeyGuard)."""
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    from page_local.serve.app import _collect, _Gone, _read_body, _unless_gone
+    from page_local.serve.backend import Turn, rss_bytes
+
+    s = backend.settings
+    digest: list[str] = []
+
+    def tag(name: str) -> str:
+        return name if ":" in name else f"{name}:latest"
+
+    def served(name) -> bool:
+        if not isinstance(name, str) or not name:
+            return False
+        return name in backend.names or (name.endswith(":latest") and name[: -len(":latest")] in backend.names)
+
+    def check_model(name) -> None:
+        if not isinstance(name, str) or not name:
+            raise bad("model is required", "model", "missing_required_parameter")
+        if not served(name):
+            raise ApiError(404, f"model '{name}' not found; this server serves '{tag(s.served_name)}'",
+                           "model_not_found", "model")
+
+    def model():
+        return backend.slots[0].engine.model
+
+    def details() -> dict:
+        meta = model().metadata()
+        arch = meta.get("general.architecture", "")
+        words = model().description.split()  # "llama 135M Q4_1"
+        size = meta.get("general.size_label") or (words[1] if len(words) >= 3 else "")
+        return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch] if arch else None,
+                "parameter_size": size, "quantization_level": words[-1] if len(words) >= 3 else ""}
+
+    async def file_digest() -> str:
+        if not digest:  # once: the GGUF file's sha256, as Ollama names a model's blob
+            def sha() -> str:
+                h = hashlib.sha256()
+                with open(s.model_path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                return h.hexdigest()
+            digest.append(await asyncio.to_thread(sha))
+        return digest[0]
+
+    def modified() -> str:
+        return _rfc3339(s.model_path.stat().st_mtime)
+
+    async def listing() -> dict:
+        return {"name": tag(s.served_name), "model": tag(s.served_name), "modified_at": modified(),
+                "size": s.model_path.stat().st_size, "digest": await file_digest(), "details": details()}
+
+    def guarded(handler):
+        async def run(request):
+            try:
+                return await handler(request)
+            except ApiError as e:
+                return error_response(e)
+        return run
+
+    async def version(request):
+        return JSONResponse({"version": OLLAMA_VERSION})
+
+    async def tags(request):
+        ready()
+        return JSONResponse({"models": [await listing()]})
+
+    async def ps(request):
+        ready()
+        m = model()
+        entry = await listing()
+        del entry["modified_at"]
+        entry.update(expires_at=_rfc3339(time.time() + FAR.total_seconds()),
+                     size_vram=entry["size"] if m.gpu else 0, context_length=s.n_ctx)
+        entry["size"] = rss_bytes() or entry["size"]  # what the server holds: the model and every slot's cache
+        return JSONResponse({"models": [entry]})
+
+    async def show(request):
+        ready()
+        body = protocol.parse_json(await _read_body(request, s.max_body_bytes))
+        name = body.get("model") or body.get("name")
+        check_model(name)
+        m = model()
+        meta = m.metadata()
+        info = {k: _typed(v) for k, v in meta.items() if not k.startswith("tokenizer.")}
+        arch = meta.get("general.architecture", "")
+        if arch:
+            info[f"{arch}.context_length"] = m.n_ctx_train
+        template = meta.get("tokenizer.chat_template", "")
+        return JSONResponse({
+            "modelfile": f"# served by page-local serve\nFROM {s.model_path.name}\nPARAMETER num_ctx {s.n_ctx}\n",
+            "parameters": f"num_ctx {s.n_ctx}",
+            "template": template, "details": details(), "model_info": info,
+            "capabilities": ["completion"], "modified_at": modified(),
+            "license": meta.get("general.license", "")})
+
+    async def chat(request):
+        return await complete(request, "chat")
+
+    async def generate(request):
+        return await complete(request, "generate")
+
+    async def complete(request, route: str):
+        t0 = time.perf_counter_ns()
+        ready()
+        backend.pool.admit()  # a full queue refuses the request before its body is read
+        body = protocol.parse_json(await _read_body(request, s.max_body_bytes))
+        check_model(body.get("model"))
+        openai, kind, names = openai_request(body, route)
+        name = body["model"]
+        if not (body.get("messages") if route == "chat" else body.get("prompt")):  # Ollama loads the model and says so: here it is loaded already
+            out = {"model": name, "created_at": now_rfc3339(), "done": True, "done_reason": "load"}
+            out.update({"message": {"role": "assistant", "content": ""}} if route == "chat" else {"response": ""})
+            return JSONResponse(out)
+        openai["model"] = None  # checked above, with Ollama's names
+        try:
+            job = protocol.parse_job(openai, kind, backend.max_tokens_limit)
+        except ApiError as e:
+            raise _renamed(e, names) from None
+        job.namespace = namespace(request)
+        tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
+        try:
+            slot = await _unless_gone(request, backend.pool.acquire(tokens, job.namespace))
+        except _Gone:
+            return Response(status_code=499)
+        t_slot = time.perf_counter_ns()
+        turn = Turn(backend, slot, job, tokens, n_keep)
+        piece = (lambda text: {"message": {"role": "assistant", "content": text}}) if route == "chat" \
+            else (lambda text: {"response": text})
+        clock = {}
+
+        def final(done: dict, text: str = "") -> dict:
+            t_end = time.perf_counter_ns()
+            t_first = clock.get("first", t_end)
+            use = done["usage"]
+            return {"model": name, "created_at": now_rfc3339(), **piece(text), "done": True,
+                    "done_reason": done["finish"] if done["finish"] in ("stop", "length") else "stop",
+                    "total_duration": t_end - t0,
+                    "prompt_eval_count": use["prompt_tokens"], "prompt_eval_duration": t_first - t_slot,
+                    "eval_count": use["completion_tokens"], "eval_duration": t_end - t_first,
+                    "page_local": done["page_local"]}
+
+        try:
+            first = await _unless_gone(request, turn.next())
+            clock["first"] = time.perf_counter_ns()
+            if first[0] == "error":
+                return error_response(first[1])
+            if job.stream:
+                return StreamingResponse(_ndjson(turn, first, name, piece, final),
+                                         media_type="application/x-ndjson")
+            parts, done = await _unless_gone(request, _collect(turn, first))
+        except _Gone:
+            turn.close()
+            return Response(status_code=499)
+        except ApiError as e:
+            return error_response(e)
+        except BaseException:
+            turn.close()
+            raise
+        return JSONResponse(final(done, "".join(parts)))
+
+    return [Route("/api/version", guarded(version), methods=["GET", "HEAD"]),
+            Route("/api/tags", guarded(tags), methods=["GET", "HEAD"]),
+            Route("/api/ps", guarded(ps), methods=["GET"]),
+            Route("/api/show", guarded(show), methods=["POST"]),
+            Route("/api/chat", guarded(chat), methods=["POST"]),
+            Route("/api/generate", guarded(generate), methods=["POST"])]
+
+
+async def _ndjson(turn, first: tuple, name: str, piece, final):
+    """The NDJSON body, as Ollama streams it: a line per text piece ("done": false), then the line with
+    done, done_reason and the counts; a mid-stream error is a line {"error": "..."}."""
+    def line(obj) -> bytes:
+        return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+
+    try:
+        event = first
+        while True:
+            if event[0] == "text":
+                yield line({"model": name, "created_at": now_rfc3339(), **piece(event[1]), "done": False})
+            elif event[0] == "done":
+                yield line(final(event[1]))
+                break
+            else:
+                yield line({"error": event[1].message})
+                break
+            event = await turn.next()
+    finally:
+        turn.close()  # a client gone mid-stream: the slot's thread stops within one token
+
+
+def _typed(v: str):
+    """A GGUF metadata value (llama.cpp gives strings) as a JSON number where it is one."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        pass
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v
+    return f if math.isfinite(f) else v
