@@ -21,7 +21,7 @@ export CCACHE_BASEDIR ?= $(CURDIR)
 # the build tools (cmake, ninja, ccache) come from the venv
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup chat test test-fast fuzz test-asan bench-peer clean distclean
+.PHONY: setup chat test test-fast fuzz test-asan bench-peer peer-server clean distclean
 
 setup: $(VENV)/.stamp-page-local $(VENV)/.stamp-model
 
@@ -124,8 +124,14 @@ $(VENV)/.stamp-peer: pyproject.toml $(VENV)/.stamp-page-local
 bench-peer: setup $(VENV)/.stamp-peer
 	$(BIN)/page-local bench peer $(PEER_ARGS)
 
+# stock llama.cpp (llama-server, llama-bench) from the same pinned tree, unpatched: the peer that
+# `page-local bench decode|chat --peer-bin build-peer/bin` measures beside page-local. Not part of `make test`.
+peer-server: setup build-peer/bin/llama-server
+build-peer/bin/llama-server: scripts/build-peer.sh csrc/UPSTREAM
+	JOBS=$(JOBS) scripts/build-peer.sh $(CURDIR)/build-peer
+
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) build-pip-test
+	rm -rf $(BUILD) $(ASAN_BUILD) build-pip-test build-peer
 
 distclean: clean
 	rm -rf $(VENV)
