@@ -130,6 +130,18 @@ peer-server: setup build-peer/bin/llama-server
 build-peer/bin/llama-server: scripts/build-peer.sh csrc/UPSTREAM
 	JOBS=$(JOBS) scripts/build-peer.sh $(CURDIR)/build-peer
 
+# the web UI's browser tests (tests/test_web_ui.py): headless Chromium and its driver from the distribution's
+# packages (Debian/Ubuntu apt, as root or through sudo) and selenium in the venv; without them those tests skip
+# and say why. Not run by `make setup`: it installs system packages.
+browser: $(VENV)/.stamp-browser
+$(VENV)/.stamp-browser: | $(VENV)/.stamp-venv
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; \
+	fi
+	$(BIN)/pip install -q "selenium>=4.20"
+	touch $@
+
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) build-pip-test build-peer
 
