@@ -108,7 +108,7 @@ class FakeEngine:
         self.n_ctx = n_ctx
         self.placement = {"layers": "CPU", "kv_cache": "CPU", "n_gpu_layers": 0, "gpu_layers": 0}
         self.profile_warning = profile_warning
-        self.attention = Attention("off", "f16", "default", "default for the CPU: flash attention off")
+        self.attention = Attention("on", "f16", "default", "default for the CPU: flash attention on")
         self.attention_warning = None
         self.set_budget(budget)
         self.set_evictor(evictor)

@@ -51,7 +51,7 @@ def test_bands_name_a_winner_per_length():
 
 
 @pytest.mark.parametrize("fa, ct, device, tuned, want, source", [
-    ("auto", "f16", "CPU", None, "off", "default"),
+    ("auto", "f16", "CPU", None, "on", "default"),
     ("auto", "f16", "NVIDIA H100", None, "on", "default"),
     ("auto", "f16", "CPU", {"on": ON, "off": OFF}, "off", "tuned"),
     ("auto", "q8_0", "CPU", None, "on", "cache type"),
@@ -155,7 +155,7 @@ def test_tune_measures_stores_and_auto_uses_it(cli):
     assert asked["attention"]["flash_attn"] == "on" and asked["attention"]["source"] == "requested"
     assert json.loads(cli("tune", "--forget", "--json").stdout) == {"removed": True}
     untuned = json.loads(cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "1024", "--json").stdout)
-    assert untuned["attention"]["source"] == "default" and untuned["attention"]["flash_attn"] == "off"
+    assert untuned["attention"]["source"] == "default" and untuned["attention"]["flash_attn"] == "on"
 
 
 def test_bad_attention_options_are_one_clear_line(cli):

@@ -40,8 +40,8 @@ def cpu_class() -> str:
     return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine().lower()
 
 
-# the committed rows of each CPU class; both were written with flash attention on (llama.cpp's "auto", which
-# page-local ran before it chose the path itself), so the rerun pins it
+# the committed rows of each CPU class; both were written with flash attention on and llama.cpp's own decode
+# kernel (before page-local chose the path and patched the kernel), so the rerun pins both
 ROWS = {"avx512": FIXTURE, "avx2": FIXTURES / "eval-rows-avx2.jsonl"}
 
 
@@ -74,6 +74,8 @@ def test_rerun_reproduces_the_committed_rows(tmp_path, monkeypatch):
         pytest.skip(f"no rows are committed for this CPU class ({cpu_class()}): write them with the commands in "
                     "this module's docstring under PAGE_LOCAL_FLASH_ATTN=on, as tests/fixtures/eval-rows-<class>.jsonl")
     monkeypatch.setenv("PAGE_LOCAL_FLASH_ATTN", "on")
+    # and llama.cpp's own one-token decode kernel: page-local's (csrc/upstream.patch) sums in another order
+    monkeypatch.setenv("PAGE_LOCAL_FA_KERNEL", "llama.cpp")
     want = read_rows(fixture)
     assert len(want) == 59, "the fixture holds 3 samples' rows"
     assert {r["task"] for r in want} == {r["task"] for r in read_rows(FIXTURE)}  # the same samples as the first

@@ -470,7 +470,7 @@ def test_banner(fake):
                      "max-tokens 8")
     assert "a trailing \\ continues a line" in out() and "Esc+Enter" not in out()
     assert "warning: the profile is stale" in out()
-    assert "attention: default for the CPU: flash attention off; f16 cache" in out()
+    assert "attention: default for the CPU: flash attention on; f16 cache" in out()
 
 
 def test_terminal_reader_history_and_esc_enter(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -67,57 +68,93 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
 
 
 def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, new_tokens: int = 64,
-                   repeats: int = 3, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None) -> dict:
-    """Greedy decode tok/s after one `tokens`-token prefill, on both attention paths, side by side:
-    llama.cpp's default (flash attention "auto", which is on for the CPU and GPU backends), the best of
-    on/off, and page-local's own choice (engine/attention.py) with the full cache and after the engine's
-    eviction (gate forced open, SnapKV) to `budget`; alternated runs, medians.
+                   repeats: int = 3, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
+                   peer_bin=None) -> dict:
+    """Time to first token and greedy decode tok/s for one `tokens`-token prompt (a needle text), side by
+    side in one run: page-local's own choice of path (engine/attention.py) with the full cache and after the
+    engine's eviction (gate forced open, SnapKV) to `budget`; and stock llama.cpp on both flash-attention
+    paths: its default (flash attention "auto", on for the CPU and GPU backends) and its best (the faster
+    of on and off, per figure). Medians of `repeats`.
 
-    Each path prefills once, through the engine's own steps (turn.Pipeline: the probe armed on the last W
-    positions); its sequence state is saved and restored before every run, so each run starts from the same
-    cache. The evicted runs then do what Engine does when the gate opens: Pipeline.select and
-    Pipeline.evict_in_place (evict, compact, re-decode the last prompt token). Also returns the gate decision
-    latency: D + gate on the real probe (median). The top-level full/evicted figures are page-local's path.
+    Stock llama.cpp is its own llama-server built unpatched from the pinned tree (bench/stock.py; `make
+    peer-server`, or peer_bin). Without that build the stock figures come from page-local's own library with
+    llama.cpp's attention kernels ($PAGE_LOCAL_FA_KERNEL=llama.cpp) and the engine's prefill, and say so
+    ("stock_source").
+
+    page-local prefills once through the engine's own steps (turn.Pipeline: the probe armed on the last W
+    positions; its time is the TTFT); its sequence state is saved and restored before every run, so each run
+    starts from the same cache. The evicted runs do what Engine does when the gate opens: Pipeline.select
+    and Pipeline.evict_in_place (evict, compact, re-decode the last prompt token). Also returns the gate
+    decision latency: D + gate on the real probe (median).
     """
+    import os
+
+    from page_local.bench import stock
     from page_local.engine import attention
+    from page_local.evictors.base import resolve_budget
 
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= W:
         raise ValueError(f"--tokens must be an int above the probe window ({W}), got {tokens!r}")
-    from page_local.evictors.base import resolve_budget
-
-    B = resolve_budget(budget, tokens, W, N_SINK)
-    if B >= tokens:
-        raise ValueError(f"budget {budget!r} keeps all {tokens} tokens: nothing to evict")
     for name, v in (("new_tokens", new_tokens), ("repeats", repeats), ("threads", threads)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
-    prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens).tolist()
+    bin_dir = stock.find_bin(peer_bin)
     n_ctx = tokens + new_tokens + 64
     with Model(model_path, n_gpu_layers=n_gpu_layers) as model:
+        prompt = model.tokenize(_needle_prompt(model, tokens))
+        T = len(prompt)
+        B = resolve_budget(budget, T, W, N_SINK)
+        if B >= T:
+            raise ValueError(f"budget {budget!r} keeps all {T} tokens: nothing to evict")
         chosen, _ = attention.choose(model_path, model, threads, n_ctx)
-        paths = {}
-        for setting in ("on", "off"):  # the other path than page-local's runs llama.cpp's f16 cache
-            ctype = chosen.cache_type if setting == chosen.flash_attn else "f16"
-            paths[setting] = _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, setting,
-                                          ctype, evict=setting == chosen.flash_attn)
-    mine = paths[chosen.flash_attn]
-    stock_default = paths["on"]["full_tok_s"]  # llama.cpp's flash_attn auto resolves to on
-    best_setting = max(paths, key=lambda s: paths[s]["full_tok_s"])
-    stock_best = paths[best_setting]["full_tok_s"]
-    same = paths["on"].pop("_tokens") == paths["off"].pop("_tokens")
-    out = {"bench": "decode", "tokens": tokens, "budget": budget, "new_tokens": new_tokens, "threads": threads,
+        mine = _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, chosen.flash_attn,
+                            chosen.cache_type, evict=True)
+        if bin_dir is None:  # the same library with llama.cpp's own kernels
+            before = os.environ.get("PAGE_LOCAL_FA_KERNEL")
+            os.environ["PAGE_LOCAL_FA_KERNEL"] = "llama.cpp"
+            try:
+                paths = {}
+                for setting in stock.SETTINGS:
+                    p = _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, setting, "f16",
+                                     evict=False)
+                    paths[setting] = {"ttft_s": p["prefill_s"], "decode_tok_s": p["full_tok_s"],
+                                      "decode_runs": p["full_runs"], "_tokens": [p["first"]] + p["_tokens"][:-1]}
+            finally:
+                if before is None:
+                    os.environ.pop("PAGE_LOCAL_FA_KERNEL", None)
+                else:
+                    os.environ["PAGE_LOCAL_FA_KERNEL"] = before
+            source = "page-local's library with llama.cpp's attention kernels (make peer-server for stock llama.cpp)"
+        else:
+            peer = stock.measure(bin_dir, Path(model_path), prompt, n_ctx, new_tokens, repeats, threads)
+            paths = peer["paths"]
+            source = f"stock llama-server ({bin_dir})"
+    mine_tokens = [mine["first"]] + mine.pop("_tokens")[:-1]
+    same = {s: paths[s].pop("_tokens")[:len(mine_tokens)] == mine_tokens for s in stock.SETTINGS}
+    best_dec = max(stock.SETTINGS, key=lambda s: paths[s]["decode_tok_s"])
+    best_ttft = min(stock.SETTINGS, key=lambda s: paths[s]["ttft_s"])
+    dflt = paths["on"]  # llama.cpp's flash_attn "auto" resolves to on for the CPU backend and GPUs
+    out = {"bench": "decode", "tokens": T, "budget": budget, "new_tokens": new_tokens, "threads": threads,
            "repeats": repeats, "attention": chosen.to_dict()}
-    out.update({k: v for k, v in mine.items() if k != "flash_attn"})
+    out.update({k: v for k, v in mine.items() if k not in ("flash_attn", "first")})
     out.update({
-        "stock_default_tok_s": stock_default,
-        "stock_best_tok_s": stock_best,
-        "stock_best_flash_attn": best_setting,
-        "full_vs_stock_default": round(mine["full_tok_s"] / stock_default, 4),
-        "full_vs_stock_best": round(mine["full_tok_s"] / stock_best, 4),
-        "evicted_vs_stock_default": round(mine["evicted_tok_s"] / stock_default, 4),
-        "evicted_vs_stock_best": round(mine["evicted_tok_s"] / stock_best, 4),
-        "same_full_tokens_on_off": same,
-        "paths": paths,
+        "ttft_s": mine["prefill_s"],
+        "stock_source": source,
+        "stock_default_tok_s": dflt["decode_tok_s"],
+        "stock_best_tok_s": paths[best_dec]["decode_tok_s"],
+        "stock_best_flash_attn": best_dec,
+        "stock_default_ttft_s": dflt["ttft_s"],
+        "stock_best_ttft_s": paths[best_ttft]["ttft_s"],
+        "stock_best_ttft_flash_attn": best_ttft,
+        "full_vs_stock_default": round(mine["full_tok_s"] / dflt["decode_tok_s"], 4),
+        "full_vs_stock_best": round(mine["full_tok_s"] / paths[best_dec]["decode_tok_s"], 4),
+        "evicted_vs_stock_default": round(mine["evicted_tok_s"] / dflt["decode_tok_s"], 4),
+        "evicted_vs_stock_best": round(mine["evicted_tok_s"] / paths[best_dec]["decode_tok_s"], 4),
+        # TTFT as a speed ratio: above 1, page-local answers first
+        "ttft_vs_stock_default": round(dflt["ttft_s"] / mine["prefill_s"], 4),
+        "ttft_vs_stock_best": round(paths[best_ttft]["ttft_s"] / mine["prefill_s"], 4),
+        "same_full_tokens_as_stock": same,
+        "stock_paths": paths,
     })
     return out
 
@@ -186,7 +223,8 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
     full = statistics.median(runs["full"])
     out = {"flash_attn": flash_attn, "cache_type": cache_type, "full_tok_s": round(full, 2),
            "prefill_s": round(prefill_s, 3), "prefill_tok_s": round(tokens / prefill_s, 1),
-           "full_runs": [round(t, 2) for t in runs["full"]], "device": device, "_tokens": full_tokens}
+           "full_runs": [round(t, 2) for t in runs["full"]], "device": device, "_tokens": full_tokens,
+           "first": first}
     if evict:
         ev, ev_nc = statistics.median(runs["evicted"]), statistics.median(runs["evicted_nocompact"])
         out.update({

@@ -64,27 +64,35 @@ def bench_probe(model, tokens, repeats, threads, n_gpu_layers, as_json):
 @click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType())
 @click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
+              help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin, which `make "
+                   "peer-server` builds)")
 @threads_option
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_decode(model, tokens, budget, new_tokens, repeats, threads, n_gpu_layers, as_json):
-    """Decode tok/s after eviction to the budget (SnapKV, gate forced open) vs the full cache."""
+def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, n_gpu_layers, as_json):
+    """TTFT and decode tok/s: page-local (full cache, evicted to the budget) beside stock llama.cpp's default
+    and best configuration."""
     from page_local.bench.speed import decode_speedup
     from page_local.native.runtime import describe_placement
 
     path = resolve_model(model)
     _bench(as_json, lambda: decode_speedup(path, tokens=tokens, budget=budget,
                                            new_tokens=new_tokens, repeats=repeats, threads=threads,
-                                           n_gpu_layers=n_gpu_layers),
-           lambda r: f"{tokens}-token prompt, {new_tokens} new tokens, flash attention {r['attention']['flash_attn']} "
-                     f"({r['attention']['source']}): full cache {r['full_tok_s']:.1f} tok/s, "
-                     f"evicted to {r['kept']} {r['evicted_tok_s']:.1f} tok/s (median of {repeats}), "
-                     f"speedup {r['speedup']:.3f}; llama.cpp's default (flash attention on) "
-                     f"{r['stock_default_tok_s']:.1f} tok/s, its best (flash attention {r['stock_best_flash_attn']}) "
-                     f"{r['stock_best_tok_s']:.1f}: full cache {r['full_vs_stock_best']:.2f}x and evicted "
-                     f"{r['evicted_vs_stock_best']:.2f}x the best, {r['evicted_vs_stock_default']:.2f}x the default; "
-                     f"gate decision {r['gate_ms']:.2f} ms; {describe_placement(r['device'])}")
+                                           n_gpu_layers=n_gpu_layers, peer_bin=peer_bin),
+           lambda r: f"{r['tokens']}-token prompt, {new_tokens} new tokens, medians of {repeats}; page-local: flash "
+                     f"attention {r['attention']['flash_attn']} ({r['attention']['source']}), TTFT "
+                     f"{r['ttft_s']:.2f} s, full cache {r['full_tok_s']:.1f} tok/s, evicted to {r['kept']} "
+                     f"{r['evicted_tok_s']:.1f} tok/s.\nStock llama.cpp ({r['stock_source']}): default (flash "
+                     f"attention on) TTFT {r['stock_default_ttft_s']:.2f} s, {r['stock_default_tok_s']:.1f} tok/s; "
+                     f"best TTFT {r['stock_best_ttft_s']:.2f} s (flash attention {r['stock_best_ttft_flash_attn']}), "
+                     f"best decode {r['stock_best_tok_s']:.1f} tok/s (flash attention {r['stock_best_flash_attn']}).\n"
+                     f"page-local / stock best: TTFT {r['ttft_vs_stock_best']:.2f}x as fast, full cache "
+                     f"{r['full_vs_stock_best']:.2f}x, evicted {r['evicted_vs_stock_best']:.2f}x "
+                     f"({r['evicted_vs_stock_default']:.2f}x the default); same greedy tokens as stock (full "
+                     f"cache): {r['same_full_tokens_as_stock']}; gate decision {r['gate_ms']:.2f} ms; "
+                     f"{describe_placement(r['device'])}")
 
 
 @bench_group.command("verify")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -82,6 +83,35 @@ def _split_path(rest: str) -> tuple[str, str]:
             return rest[1:end], rest[end + 1 :].strip()
     path, _, tail = rest.partition(" ")
     return path, tail.strip()
+
+
+class _Reading:
+    """The line a long message shows while it is read: tokens read of the total and the time left (rich's
+    progress bar, gone once the answer begins). Shown from READING_SHOWN tokens on: a short message is read
+    before a bar would be worth drawing. Ctrl-C still stops the turn (the engine reads between batches)."""
+
+    READING_SHOWN = 1024
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.progress: Progress | None = None
+        self.task = None
+
+    def update(self, done: int, total: int) -> None:
+        if self.progress is None:
+            if total < self.READING_SHOWN or done >= total:
+                return
+            self.progress = Progress(TextColumn("[dim]reading the message"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("[dim]tokens"), TimeRemainingColumn(), console=self.console,
+                                     transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("read", total=total)
+        self.progress.update(self.task, completed=done, total=total)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
 
 class Repl:
@@ -160,9 +190,14 @@ class Repl:
             self.console.print(Text(f"(sending {name} with your message)", style="dim"))
         n_msgs, cells = len(self.session.messages), self.engine.cells_used()
         stream, interrupted = None, False
+        reading = _Reading(self.console)
+        set_progress = getattr(self.engine, "set_progress", None)  # the fake engine of tests may lack it
+        if set_progress is not None:
+            set_progress(reading.update)
         try:
             stream = self.session.send(text, max_tokens=self.max_tokens, sampling=self.sampling)
             for piece in stream:
+                reading.stop()
                 self.console.print(Text(piece), end="", soft_wrap=True)
         except KeyboardInterrupt:
             interrupted = True
@@ -175,6 +210,9 @@ class Repl:
         except ValueError as e:  # the engine refused the input before prefilling it
             return self._error(f"the message was not sent: {e}")
         finally:
+            reading.stop()
+            if set_progress is not None:
+                set_progress(None)
             # A KeyboardInterrupt raised here (in the console, not inside the stream) leaves the stream
             # suspended; closing it ends the turn, and the session records the partial answer.
             if stream is not None:

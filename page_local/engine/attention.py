@@ -1,15 +1,18 @@
 """The attention path and KV cache type a context gets: page-local's own choice, by measurement.
 
-llama.cpp's flash_attn "auto" turns flash attention on for the CPU backend. On the CPUs measured here
-its one-token decode is slower than the plain path once the cache holds a few thousand cells (Intel
-Xeon with AVX-512: 1.8x at 1K cells to 3-6x at 8K; AMD EPYC Zen 1: 1.4x at 2K-4K), while it reads a
-prompt as fast or faster. So "auto" here means:
+llama.cpp's flash_attn "auto" turns flash attention on for the CPU backend, and stock llama.cpp's CPU kernel
+decodes one token slower than the plain path once the cache holds a few thousand cells (Intel Xeon with
+AVX-512: 1.8x at 1K cells to 3-6x at 8K; AMD EPYC Zen 1: 1.6x at 2K), while it reads a prompt as fast or
+faster. page-local's patch (csrc/upstream.patch) replaces that decode kernel for an F16 cache with a
+vectorised one (docs/design.md section 6.1): on AMD EPYC Zen 1 it decodes 1.04x (2K cells) to 1.19x (4K)
+faster than the plain path, and prefill stays 1.3x faster than the plain path. So "auto" here means:
 
   1. an explicit "on"/"off" (the argument, or $PAGE_LOCAL_FLASH_ATTN that --flash-attn sets) is used;
   2. a quantized V cache (q8_0, q4_0) needs flash attention in llama.cpp: on;
   3. a tuning measured by `page-local tune` for this model, machine, device, thread count and library
      (store/tuning.py) picks the path with the lower cost over the context (see `cost`);
-  4. else the backend's default: off when the layers run on the CPU (measured above), on for a GPU.
+  4. else the backend's default: on (with the patched kernel on the CPU, measured above; llama.cpp's choice
+     for GPUs).
 
 `cost` weighs decode, as chat and serve are decode-dominated: a conversation that grows from 0 to n_ctx
 cells, reading as many tokens as it writes, costs at T cells prefill_ms_per_token(T) + decode_ms(T);
@@ -111,8 +114,8 @@ def bands(points: dict, n_ctx_max: int) -> list[dict]:
 
 def backend_default(device: str) -> tuple[str, str]:
     if device.startswith("CPU") or device == "":
-        return "off", ("default for the CPU: flash attention off (its CPU decode is 1.4-6x slower at 2K-8K cells "
-                       "on the CPUs measured; `page-local tune` measures yours)")
+        return "on", ("default for the CPU: flash attention on (page-local's decode kernel; it reads and decodes "
+                      "faster than the plain path on the CPUs measured; `page-local tune` measures yours)")
     return "on", f"default for {device}: flash attention on (llama.cpp's choice for GPUs)"
 
 

@@ -81,6 +81,7 @@ class Pipeline:
         self.ctx, self.model = ctx, model
         self._out_proj: dict[str, np.ndarray] = {}
         self.cancel = None  # an object with is_set(): a prefill stops before its next batch once set (Cancelled)
+        self.progress = None  # progress(n): called after each batch of n tokens a prefill decoded
 
     # --- prefill and probe -----------------------------------------------------------------------
     def prefill(self, toks: Sequence[int], pos0: int, seq: int = 0, track_attention: bool = False) -> Prefilled:
@@ -94,6 +95,8 @@ class Pipeline:
             attn = self._decode_tracked(toks[: n - w], pos0, seq, track_attention)
             page.arm_probe(seq, TOP_K)
             ctx.decode(list(toks[n - w:]), pos0 + n - w, seq, cancel=self.cancel)
+            if self.progress is not None:
+                self.progress(w)
         except BaseException:
             page.disarm_probe()
             raise
@@ -113,7 +116,11 @@ class Pipeline:
         if not len(toks):
             return None
         if not track:
-            self.ctx.decode(list(toks), pos0, seq, logits="none", cancel=self.cancel)
+            step = self.ctx.n_batch if self.progress is not None else len(toks)  # batches the reader can count
+            for s in range(0, len(toks), step):
+                self.ctx.decode(list(toks[s: s + step]), pos0 + s, seq, logits="none", cancel=self.cancel)
+                if self.progress is not None:
+                    self.progress(min(step, len(toks) - s))
             return None
         acc: dict[int, np.ndarray] = {}
         step = self.ctx.n_ubatch
@@ -121,6 +128,8 @@ class Pipeline:
             chunk = list(toks[s: s + step])
             self.ctx.page.arm_probe(seq, 1)
             self.ctx.decode(chunk, pos0 + s, seq, logits="none", cancel=self.cancel)
+            if self.progress is not None:
+                self.progress(len(chunk))
             r = self.ctx.page.read_probe()
             mass = r.mean * r.n_query  # f32 (n_layer, n_pos): summed over this chunk's queries
             for i, p in enumerate(r.positions.tolist()):

@@ -1,0 +1,142 @@
+"""Stock llama.cpp as the peer of the speed benchmarks: its own `llama-server`, built *unpatched* from the
+same pinned upstream tree page-local patches (`make peer-server`, scripts/build-peer.sh), on the same GGUF,
+thread count and n_ctx, greedy.
+
+`measure()` starts one server per flash-attention setting ("auto" is llama.cpp's default; "on" and "off"
+are the two paths "auto" chooses between), sends the prompt as token ids with `cache_prompt` off (so each
+repeat reads the whole prompt), and reads the server's own timings: prompt_ms (the time to first token,
+less HTTP) and predicted_per_second (decode). The best configuration is the faster of on and off, per
+figure. The server's tokens are returned so that the caller can compare greedy tokens.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from page_local.errors import BenchError
+
+SETTINGS = ("on", "off")
+
+
+def find_bin(peer_bin: str | os.PathLike | None = None) -> Path | None:
+    """The folder holding stock llama-server: peer_bin (an error if it has none), else $PAGE_LOCAL_PEER_BIN
+    when set (None if it has none: no peer), else the checkout's build-peer/bin (make peer-server) if built."""
+    if peer_bin:
+        if not (Path(peer_bin) / "llama-server").is_file():
+            raise BenchError(f"--peer-bin {peer_bin}: no llama-server there; `make peer-server` builds it into "
+                             "build-peer/bin")
+        return Path(peer_bin)
+    env = os.environ.get("PAGE_LOCAL_PEER_BIN")
+    folder = Path(env) if env is not None else Path(__file__).resolve().parents[2] / "build-peer" / "bin"
+    return folder if (folder / "llama-server").is_file() else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StockServer:
+    """llama-server in a child process on a free loopback port, one slot, no web UI, no warm-up."""
+
+    def __init__(self, bin_dir: Path, model: Path, n_ctx: int, threads: int, flash_attn: str):
+        self.port = _free_port()
+        cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+               "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads), "-fa", flash_attn, "-np", "1",
+               "--no-webui", "--no-warmup", "--no-cache-prompt"]
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self._err: list[str] = []
+        threading.Thread(target=lambda: self._err.extend(line.rstrip() for line in self.proc.stderr),
+                         daemon=True).start()
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout: float = 900) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, json.dumps(body) if body is not None else None,
+                         {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            data = r.read()
+            return r.status, json.loads(data) if data else {}
+        finally:
+            conn.close()
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            if self.proc.poll() is not None:
+                raise BenchError(f"stock llama-server exited ({self.proc.returncode}): "
+                                 f"{' | '.join(self._err[-3:])}")
+            try:
+                if self._request("GET", "/health", timeout=5)[0] == 200:
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise BenchError(f"stock llama-server was not ready within {timeout:.0f} s")
+
+    def complete(self, tokens: list[int], n_predict: int) -> dict:
+        """Greedy completion of the token ids: the server's timings and the generated token ids."""
+        status, out = self._request("POST", "/completion", {
+            "prompt": tokens, "n_predict": n_predict, "temperature": 0, "top_k": 1, "cache_prompt": False,
+            "return_tokens": True, "ignore_eos": True})
+        if status != 200:
+            raise BenchError(f"stock llama-server: HTTP {status}: {str(out)[:300]}")
+        t = out["timings"]
+        return {"prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"], "decode_tok_s": t["predicted_per_second"],
+                "tokens": out.get("tokens", [])}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> StockServer:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def measure(bin_dir: Path, model: Path, prompt: list[int], n_ctx: int, new_tokens: int, repeats: int,
+            threads: int) -> dict:
+    """Stock llama.cpp on both flash-attention paths: per path the medians of TTFT (prompt_ms) and decode
+    tok/s over `repeats` completions. llama.cpp's "auto" (its default) resolves to on wherever the backend
+    has the flash-attention op (the CPU backend and GPUs); "best" is the faster path per figure."""
+    paths: dict[str, dict] = {}
+    for setting in SETTINGS:
+        with StockServer(bin_dir, model, n_ctx, threads, setting) as srv:
+            runs = [srv.complete(prompt, new_tokens) for _ in range(repeats)]
+        if any(r["prompt_n"] != len(prompt) for r in runs):
+            raise BenchError(f"stock llama-server read {runs[0]['prompt_n']} of {len(prompt)} prompt tokens "
+                             "(cache_prompt off should read them all)")
+        paths[setting] = {
+            "ttft_s": round(statistics.median(r["prompt_ms"] for r in runs) / 1e3, 3),
+            "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in runs), 2),
+            "ttft_runs_s": [round(r["prompt_ms"] / 1e3, 3) for r in runs],
+            "decode_runs": [round(r["decode_tok_s"], 2) for r in runs],
+            "_tokens": runs[0]["tokens"],
+        }
+    best_decode = max(SETTINGS, key=lambda s: paths[s]["decode_tok_s"])
+    best_ttft = min(SETTINGS, key=lambda s: paths[s]["ttft_s"])
+    return {"bin": str(bin_dir), "paths": paths, "default_flash_attn": "on",
+            "best_decode_flash_attn": best_decode, "best_ttft_flash_attn": best_ttft}

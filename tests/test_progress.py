@@ -1,0 +1,41 @@
+"""A long message's reading is visible: Engine.set_progress reports each batch of a turn's prefill (the
+room-making parts of a message longer than the context included), and the REPL draws it as a bar with
+the tokens read and the time left, gone once the answer begins. On the embedded SmolLM2, greedy."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from page_local.cli.repl import Repl
+from page_local.engine.engine import Engine
+
+# about 1 400 tokens: three batches of n_batch 512
+LONG = " ".join(f"Shelf {i} holds {i % 7 + 2} blue jars and {i % 5 + 1} brown bottles." for i in range(100))
+
+
+def test_progress_counts_every_batch_of_the_message_and_the_repl_shows_it(smollm2_path):
+    with Engine(smollm2_path, n_ctx=2048, threads=2, gate="never") as eng:
+        calls: list[tuple[int, int]] = []
+        eng.set_progress(lambda done, total: calls.append((done, total)))
+        before = len(eng.history)
+        s = eng.stream(LONG + " How many shelves?", max_tokens=2)
+        list(s)
+        read = calls[-1][1]  # the message's tokens: the history grew by them and by the answer's decoded ones
+        assert len(eng.history) - before - len(s.result.tokens) <= read <= len(eng.history) - before
+        assert read > 1024 and len(calls) >= 4 and {t for _, t in calls} == {read}
+        assert [d for d, _ in calls] == sorted(d for d, _ in calls) and calls[-1][0] == read
+        eng.set_progress(None)
+        list(eng.stream(" Thanks.", max_tokens=1))
+        assert calls[-1][0] == read  # no callback once unset
+
+        buf = io.StringIO()
+        repl = Repl(eng, Console(file=buf, force_terminal=True, width=120))
+        repl.handle(LONG + " Which shelf holds the most jars?")
+        out = buf.getvalue()
+        assert "reading the message" in out and "tokens" in out
+        assert eng._progress_fn is None  # the REPL unsets it after the turn
+        buf.truncate(0)
+        repl.handle("Thanks.")  # a short message draws no bar
+        assert "reading the message" not in buf.getvalue()
