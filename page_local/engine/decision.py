@@ -69,6 +69,9 @@ class Result:
     finish_reason: str  # stop | length | context | interrupted
     prompt_tokens: int
     gen_s: float = 0.0
+    # Sampling.logprobs set: per answer token (token, logprob, [(token, logprob)] the most likely first),
+    # from the logits it was sampled from (log-softmax over the whole vocabulary, before any sampler)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,8 +84,35 @@ class Sampling:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = 0
+    min_p: float = 0.0  # 0 = off
+    # llama.cpp's penalties over the last penalty_last_n tokens of the conversation (-1: the context);
+    # 1 and 0 = off
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 bans it in practice)
+    grammar: str | None = None  # GBNF (root rule "root"): every token of the answer obeys it
+    logprobs: int | None = None  # record each answer token's log-probability and this many alternatives
 
     def validate(self) -> None:
+        self._check_basic()
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not (isinstance(self.repeat_penalty, (int, float)) and 0 < self.repeat_penalty <= 10):
+            raise ValueError(f"repeat_penalty must be in (0, 10], got {self.repeat_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2 <= v <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if isinstance(self.penalty_last_n, bool) or not isinstance(self.penalty_last_n, int) \
+                or self.penalty_last_n < -1:
+            raise ValueError(f"penalty_last_n must be an int >= -1, got {self.penalty_last_n!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+
+    def _check_basic(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 5):
             raise ValueError(f"temperature must be in [0, 5], got {self.temperature!r}")
         if not (0 < self.top_p <= 1):

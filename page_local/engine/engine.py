@@ -63,6 +63,7 @@ class Stream:
     def __init__(self, run: Callable[[Stream], Iterator[str]] | None = None):
         self.decision: Decision | None = None
         self.result: Result | None = None
+        self.logprobs: list = []  # Sampling.logprobs set: Result.logprobs so far, one entry per token yielded
         self._gen = run(self) if run is not None else iter(())
 
     def __iter__(self) -> Stream:
@@ -136,7 +137,6 @@ class Engine(ContextPolicy):
         # (a conversation restored from a snapshot, which does not record why its cells went)
         self._room_out: set[int] | None = set()
         self.pipeline = Pipeline(self.ctx, self.model)  # the turn's steps (turn.py), shared with eval and bench
-        self._progress_fn = None  # set_progress
 
     # --- settings ----------------------------------------------------------------------------
     def set_budget(self, budget: float | int) -> None:
@@ -178,24 +178,6 @@ class Engine(ContextPolicy):
             raise ValueError(f"verify_tokens must be an int in [1, 256], got {tokens!r}")
         rule, threshold = check_rule(rule, threshold)
         self.verify_tokens, self.verify_threshold, self.verify_rule = tokens, threshold, rule
-
-    def set_progress(self, fn) -> None:
-        """fn: None, or fn(done, total) called after each batch of a turn's prefill (room-making's parts
-        included): `done` of the message's `total` tokens are read (done may pass total by the few tokens
-        room-making reads twice). The REPL shows it; it runs on the thread that iterates the stream."""
-        self._progress_fn = fn
-
-    def _progress_of(self, total: int):
-        fn = self._progress_fn
-        if fn is None:
-            return None
-        done = 0
-
-        def step(n: int) -> None:
-            nonlocal done
-            done += n
-            fn(min(done, total), total)
-        return step
 
     def set_cancel(self, flag) -> None:
         """flag: None, or an object with is_set() (a threading.Event) that another thread may set. Once it
@@ -390,15 +372,12 @@ class Engine(ContextPolicy):
         if self.gate_mode in VERIFY_MODES:  # one copy of the answer (search batches first chunks if room is left)
             reserve += min(max_tokens, self.verify_tokens) + 1
         start = len(self.history)  # where this message begins: an answer never evicts it to make room
-        self.pipeline.progress = self._progress_of(len(toks))
-        try:
-            dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
-        finally:
-            self.pipeline.progress = None
+        dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
         stream.decision = dec
 
         # generation: sample, decode, then yield, so that what the caller has seen is in the cache
-        sampler = make_sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        sampler = self._sampler(sampling)
+        want_lp = sampling.logprobs is not None
         out: list[int] = []
         full_logits: list[np.ndarray] = []  # f32 (n_vocab,) of the full cache at each step, while verifying
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -410,6 +389,7 @@ class Engine(ContextPolicy):
             for _ in range(max_tokens):
                 if plan is not None:
                     full_logits.append(ctx.logits())
+                logits = (full_logits[-1] if plan is not None else ctx.logits()) if want_lp else None
                 tok = sample(sampler, ctx)
                 if self.model.is_eog(tok):
                     finish = "stop"
@@ -431,6 +411,8 @@ class Engine(ContextPolicy):
                 self.history.append(tok)
                 self._pos.append(pos)
                 out.append(tok)
+                if want_lp:
+                    stream.logprobs.append(token_logprobs(logits, tok, sampling.logprobs))
                 if plan is not None and len(out) == self.verify_tokens:  # the cap: decide on what there is
                     self._verify(dec, plan, out, full_logits, until="cap")
                     plan = None
@@ -451,7 +433,25 @@ class Engine(ContextPolicy):
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
             sampler.close()
             gen_s = time.perf_counter() - t0
-            stream.result = Result(self.model.detokenize(out), out, dec, finish, len(toks), gen_s)
+            stream.result = Result(self.model.detokenize(out), out, dec, finish, len(toks), gen_s,
+                                   list(stream.logprobs) if want_lp else None)
+
+    def _sampler(self, sampling: Sampling):
+        """llama.cpp's sampler chain for this answer. Its grammar and penalties see the answer's tokens
+        through llama_sampler_sample only: verification teacher-forces tokens already sampled (and
+        accepted) and re-decodes the last one for its logits, which samples nothing; so a grammar sees
+        each answer token once, in order, whatever the gate decides."""
+        s = sampling
+        bad = [t for t in (s.logit_bias or {}) if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary (0..{self.model.n_vocab - 1})")
+        last_n = self.ctx.n_ctx if s.penalty_last_n == -1 else s.penalty_last_n
+        return make_sampler(s.temperature, s.top_k, s.top_p, s.seed, min_p=s.min_p,
+                            repeat_penalty=s.repeat_penalty, presence_penalty=s.presence_penalty,
+                            frequency_penalty=s.frequency_penalty, penalty_last_n=last_n,
+                            recent=self.history[-last_n:] if last_n > 0 else [], logit_bias=s.logit_bias,
+                            grammar=s.grammar,
+                            model=self.model)
 
     def _verify(self, dec: Decision, plan: tuple, out: list[int], full_logits: list[np.ndarray],
                 end: int | None = None, until: str = "end") -> None:
@@ -637,6 +637,17 @@ class _AfterAnswer:
         la = self.pipe.answer_lookahead(self.ev.spec, answer, self.last_pos, seq=0, work=1)
         sig = dict(self.signals, answer_lookahead=la)
         return [(b, self.pipe.select(self.ev, self.pre, b, sig, self.seed)) for b in self.budgets], la.ms
+
+
+def token_logprobs(logits: np.ndarray, tok: int, n: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """(tok, log p(tok), the n most likely tokens with theirs, most likely first) under f32 (n_vocab,)
+    logits, in f64."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    lp = z - np.log(np.exp(z).sum())
+    top = np.argpartition(-lp, n)[:n] if 0 < n < lp.size else np.arange(lp.size if n else 0)
+    top = top[np.argsort(-lp[top], kind="stable")]
+    return int(tok), float(lp[tok]), [(int(t), float(lp[t])) for t in top]
 
 
 def held_indices(pos_of, held) -> np.ndarray:

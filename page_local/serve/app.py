@@ -4,6 +4,8 @@
     GET  /v1/models               the served model (and /v1/models/{id})
     POST /v1/chat/completions     chat, streamed (SSE) or not
     POST /v1/completions          plain text, streamed or not
+    POST /v1/embeddings           the served model's mean-pooled hidden states (model_routes.py)
+    POST /tokenize, /detokenize   llama-server's token routes (model_routes.py)
     GET  /v1/page_local/stats     slots, queue, conversation cache, counts, resident memory
     GET  /metrics                 Prometheus text (metrics.py)
     /api/...                      Ollama's API (ollama.py): version, tags, show, ps, chat, generate
@@ -24,7 +26,7 @@ import asyncio
 import json
 from contextlib import asynccontextmanager
 
-from page_local.serve import ollama, protocol
+from page_local.serve import model_routes, ollama, protocol
 from page_local.serve.backend import Backend, Turn
 from page_local.serve.guards import (
     NO_KEY,
@@ -185,7 +187,7 @@ def create_app(backend: Backend):
             turn.close()
             raise
         return JSONResponse(protocol.body(kind, rid, created, name, "".join(parts), done["finish"], done["usage"],
-                                          done["page_local"]))
+                                          done["page_local"], done.get("logprobs")))
 
     def ollama_shaped(request) -> bool:  # Ollama's routes answer errors as {"error": "..."}
         return request.url.path.startswith("/api/")
@@ -220,6 +222,7 @@ def create_app(backend: Backend):
                    Route(f"{prefix}/completions", completions, methods=["POST"]),
                    Route(f"{prefix}/page_local/stats", stats, methods=["GET"])]
     routes += [Route("/metrics", metrics, methods=["GET"]), *ollama.routes(backend, ready, namespace)]
+    routes += model_routes.routes(backend, ready)  # /tokenize, /detokenize, /v1/embeddings
     from page_local.serve import web
 
     routes += web.routes()
@@ -269,7 +272,7 @@ async def _sse(turn: Turn, first: tuple, job, kind: str, rid: str, created: int,
         event = first
         while True:
             if event[0] == "text":
-                yield chunk(text=event[1])
+                yield chunk(text=event[1], logprobs=event[2] if len(event) > 2 else None)
             elif event[0] == "done":
                 d = event[1]
                 yield chunk(finish=d["finish"], extension=d["page_local"])

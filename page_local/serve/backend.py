@@ -3,7 +3,8 @@ in a slot's thread, and say how the server is doing. No HTTP here (app.py), no O
 the events a request produces (protocol.py builds the bodies).
 
 A request's events, in order, each put on the event loop's queue from the slot's thread:
-    ("text", piece)*  then one of  ("done", {"finish", "usage", "page_local"})  |  ("error", ApiError)
+    ("text", piece, logprobs)*  then one of  ("done", {"finish", "usage", "page_local", "logprobs"})  |  ("error", ApiError)
+(logprobs: the OpenAI entries of the tokens the piece begins, or None when the request did not ask.)
 """
 
 from __future__ import annotations
@@ -31,9 +32,13 @@ from page_local.serve.protocol import (
     usage,
 )
 from page_local.serve.metrics import Metrics
+from page_local.serve.fields import check_with_model
+from page_local.serve.logprobs import LogprobTracker
 from page_local.serve.slots import Slot, SlotPool, SnapshotCache
 
 log = logging.getLogger("page_local.serve")
+EMBED_CTX = 512  # the longest /v1/embeddings input, in tokens: llama-server's default physical batch, which
+# it also needs an embedding's input to fit (llama.cpp pools within one ubatch)
 
 
 @dataclass
@@ -90,6 +95,8 @@ class Backend:
         self.metrics = Metrics()  # GET /metrics (metrics.py), counted where a request ends
         self._loader: threading.Thread | None = None
         self._state_lock = threading.Lock()
+        self._embedder = None  # native.embed.Embedder, made on the first /v1/embeddings request
+        self._embed_lock = threading.Lock()
 
     @property
     def names(self) -> set[str]:
@@ -155,6 +162,10 @@ class Backend:
         for slot in self.slots:
             if slot.cancel is not None:
                 slot.cancel.set()
+        with self._embed_lock:  # before the model it borrows
+            if self._embedder is not None:
+                self._embedder.close()
+                self._embedder = None
         for slot in self.slots:
             slot.close()
         self.slots = []
@@ -164,8 +175,10 @@ class Backend:
         """The request as the model reads it: the chat template rendered (with the assistant's turn
         opened) or the text, tokenized as a fresh conversation (BOS and all); and n_keep, how many
         leading tokens are the system prompt and the first turn's header, which making room never
-        evicts (as ChatSession tells the engine). Thread-safe."""
+        evicts (as ChatSession tells the engine). Thread-safe. A grammar or a logit bias the model
+        cannot take is refused here, before the request waits for a slot."""
         model = self.slots[0].engine.model
+        check_with_model(job, model)
         if job.kind != "chat":
             return model.tokenize(job.prompt, add_special=True), 0
         if self.template is None:
@@ -236,18 +249,16 @@ class Backend:
             tail = tokens[reuse.tokens:]
             cells = eng.cells_used()  # (what this request evicted: the cells it added that are gone after)
             eng.n_keep = n_keep
-            from page_local.engine.engine import Sampling
-
-            sampling = Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed)
-            stream = eng.stream(tail, max_tokens=job.max_tokens, sampling=sampling, add_special=False)
+            stream = eng.stream(tail, max_tokens=job.max_tokens, sampling=job.sampling(), add_special=False)
             scanner = StopScanner(job.stop)
+            lp = LogprobTracker(eng.model, stream, job.logprobs)
             shown = []  # the answer as sent: what the cache map places the answer's tokens in
             try:
                 for piece in stream:
                     text = scanner.feed(piece)
                     if text:
                         shown.append(text)
-                        emit(("text", text))
+                        emit(("text", text, lp.take(text)))
                     if scanner.stopped or cancel.is_set():
                         break
             finally:
@@ -255,7 +266,7 @@ class Backend:
             rest = scanner.flush()
             if rest:
                 shown.append(rest)
-                emit(("text", rest))
+                emit(("text", rest, lp.take(rest)))
             res = stream.result
             use = usage(len(tokens), len(res.tokens), reuse.tokens)
             self._count(use, cancelled=cancel.is_set(), res=res,
@@ -264,7 +275,7 @@ class Backend:
             extension = self._extension(res, reuse, eng)
             extension["cache_map"] = self.cache_map(eng, job, tokens, res.tokens, "".join(shown))
             last = ("done", {"finish": finish_reason(res.finish_reason, scanner.stopped), "usage": use,
-                             "page_local": extension})
+                             "page_local": extension, "logprobs": lp.all})
         except Cancelled:  # the client went away (or the server is stopping) during the prefill
             self._count(None, prefill_cancelled=True)
             last = ("error", ApiError(503, "the request was cancelled during its prefill (the client went away or "
@@ -309,6 +320,24 @@ class Backend:
                 log.exception("could not restore slot %d after a request", slot.index)
         if last is not None:  # after the bookkeeping: a client's next request finds the slot as it is
             emit(last)
+
+    def embed(self, inputs: list[list[int]]) -> list:
+        """f32 (n_embd,) per input: the served model's final hidden states mean-pooled and L2-normalised,
+        on a context of its own (made on first use, EMBED_CTX tokens): the slots' caches are not touched.
+        One request at a time; thread-safe. ValueError for an input the context cannot take."""
+        from page_local.native.embed import Embedder
+
+        with self._embed_lock:
+            if self.state != "ready":
+                raise ApiError(503, "the server is not ready", "not_ready")
+            if self._embedder is None:
+                model = self.slots[0].engine.model
+                self._embedder = Embedder(model, n_ctx=self.embed_ctx, threads=self.settings.threads)
+            return [self._embedder.embed(toks) for toks in inputs]
+
+    @property
+    def embed_ctx(self) -> int:
+        return min(EMBED_CTX, self.settings.n_ctx)
 
     @staticmethod
     def _apply(eng, job: Job) -> None:

@@ -3,8 +3,8 @@ OpenAI envelope, the response bodies and stream chunks, and stop strings.
 
 Every check names the offending field and value (style rule 5: a clear 400, never an assert), so a
 client's mistake is a BadRequestError it can show, and the `openai` SDK never retries it (it
-retries 408/409/429/5xx). Fields a client sends that page-local does not know are ignored; fields
-it knows but cannot honour (n > 1, logprobs, tools, penalties) are refused by name.
+retries 408/409/429/5xx). A field page-local does not read is refused by name, as are those it knows
+but cannot honour (n > 1, tools, echo); fields.py says which fields are read.
 """
 
 from __future__ import annotations
@@ -74,8 +74,27 @@ class Job:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # llama-server's default; -1: the whole context
+    logit_bias: dict[int, float] | None = None
+    grammar: str | None = None  # GBNF the answer must follow (structured output)
+    grammar_field: str | None = None  # the request field it came from (for errors)
+    logprobs: int | None = None  # chat: alternatives per token (top_logprobs); None: no logprobs
     overrides: Overrides = field(default_factory=Overrides)
     namespace: str = ""  # whose conversation cache the request may reuse: its API key's (guards.KeyGuard)
+
+    def sampling(self):
+        """The engine's Sampling for this request (every sampling field the request set)."""
+        from page_local.engine.engine import Sampling
+
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                        min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                        penalty_last_n=self.penalty_last_n, logit_bias=self.logit_bias, grammar=self.grammar,
+                        logprobs=self.logprobs)
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -121,21 +140,16 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         raise bad(f"n = {n!r} is not supported: page-local returns one choice per request (n = 1)", "n",
                   "unsupported_parameter")
     if kind == "chat":
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-            raise bad("logprobs are not supported by page-local", "logprobs", "unsupported_parameter")
         for name in ("tools", "functions"):
             if body.get(name):
                 raise bad(f"{name} (tool calling) are not supported by page-local", name, "unsupported_parameter")
         for name in ("tool_choice", "function_call"):
             if body.get(name) not in (None, "none"):
                 raise bad(f"{name} is not supported by page-local (no tool calling)", name, "unsupported_parameter")
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad("response_format other than {\"type\": \"text\"} is not supported by page-local",
-                      "response_format", "unsupported_parameter")
     else:
         if body.get("logprobs") is not None:
-            raise bad("logprobs are not supported by page-local", "logprobs", "unsupported_parameter")
+            raise bad("logprobs are not supported on page-local's text completions (chat completions have them)",
+                      "logprobs", "unsupported_parameter")
         if body.get("echo"):
             raise bad("echo is not supported by page-local", "echo", "unsupported_parameter")
         if body.get("suffix"):
@@ -143,11 +157,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         if body.get("best_of") not in (None, 1):
             raise bad(f"best_of = {body['best_of']!r} is not supported: page-local returns one choice", "best_of",
                       "unsupported_parameter")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise bad(f"{name} is not supported by page-local (send 0 or leave it out)", name, "unsupported_parameter")
-    if body.get("logit_bias"):
-        raise bad("logit_bias is not supported by page-local", "logit_bias", "unsupported_parameter")
 
 
 def _content(content, i: int) -> str:
@@ -247,7 +256,10 @@ def _overrides(body: dict) -> Overrides:
 
 def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
     """A chat ("chat") or text ("text") completion request -> Job; ApiError(400) says what is wrong."""
+    from page_local.serve import fields
+
     _refuse_unsupported(body, kind)
+    fields.refuse_unknown(body, kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad(f"model must be a string, got {model!r}", "model")
@@ -264,10 +276,9 @@ def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
         if not prompt.strip():
             raise bad("the prompt is empty", "prompt")
         job.prompt = prompt
-    mt = _int(body, "max_completion_tokens", 1) if kind == "chat" else None
-    mt = mt if mt is not None else _int(body, "max_tokens", 1)
+    mt, mt_field = fields.max_tokens(body, kind)
     if mt is not None and mt > max_tokens_limit:
-        raise bad(f"max_tokens {mt} is above this server's limit of {max_tokens_limit}", "max_tokens")
+        raise bad(f"{mt_field} {mt} is above this server's limit of {max_tokens_limit}", mt_field)
     job.max_tokens = mt if mt is not None else max_tokens_limit
     job.temperature = _number(body, "temperature", 0, 5, 1.0)  # OpenAI's default is 1
     job.top_p = _number(body, "top_p", 0, 1, 1.0, lo_open=True)
@@ -279,6 +290,9 @@ def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
     # no seed: a fresh draw per request, as OpenAI (a regenerate gives another answer at temperature > 0)
     job.seed = secrets.randbits(32) if seed is None else seed % 2**32
     job.stop = _stop(body)
+    fields.sampling(body, job)
+    job.grammar, job.grammar_field = fields.structured(body)
+    job.logprobs = fields.logprobs(body, kind)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad(f"stream must be true or false, got {stream!r}", "stream")
@@ -360,10 +374,16 @@ def finite(obj):
     return obj
 
 
-def body(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict, extension: dict) -> dict:
-    """A whole (not streamed) chat.completion or text_completion object."""
+def _logprobs(entries: list | None) -> dict | None:
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
+def body(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict, extension: dict,
+         logprobs: list | None = None) -> dict:
+    """A whole (not streamed) chat.completion or text_completion object. logprobs: the chat answer's
+    tokens in OpenAI's shape (logprobs.LogprobTracker), None when not asked for."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": _logprobs(logprobs),
                   "finish_reason": finish}
         obj = "chat.completion"
     else:
@@ -375,13 +395,13 @@ def body(kind: str, rid: str, created: int, model: str, text: str, finish: str, 
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, role: bool = False,
           finish: str | None = None, use: dict | None = None, include_usage: bool = False,
-          extension: dict | None = None) -> dict:
+          extension: dict | None = None, logprobs: list | None = None) -> dict:
     """One stream chunk. use: the usage-only chunk (no choices). include_usage: the other chunks carry
     "usage": null, as OpenAI's do when the client asked for the usage chunk."""
     if kind == "chat":
         obj = "chat.completion.chunk"
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "delta": delta, "logprobs": _logprobs(logprobs), "finish_reason": finish}]
     else:
         obj = "text_completion"
         choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]

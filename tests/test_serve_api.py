@@ -1,0 +1,284 @@
+"""The API surface apps call, against a live `page-local serve` on 127.0.0.1 (the embedded SmolLM2, one
+server for the module, n_ctx 1024): structured output (the `openai` SDK's parse with a Pydantic
+model, json_object, llama-server's json_schema and grammar, also when the gate evicts), logprobs,
+embeddings, /tokenize and /detokenize, llama-server's sampling fields (n_predict, min_p, the
+penalties), and every field page-local does not honour refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the test extra (openai, httpx) is not installed")
+openai = pytest.importorskip("openai", reason="the test extra (openai) is not installed")
+pydantic = pytest.importorskip("pydantic", reason="pydantic (the openai SDK's dependency) is not installed")
+pytest.importorskip("starlette", reason="the [serve] extra is not installed")
+
+from page_local.serve.bench import free_port  # noqa: E402
+from tests.test_serve import KEY, PASSAGE, start_server, stop_server, wait_ready  # noqa: E402
+
+N_CTX = 1024
+ARGS = ["--n-ctx", str(N_CTX), "--threads", "1", "--parallel", "1", "--gate", "never", "--max-tokens-limit", "256",
+        "--cache-mb", "32"]
+ASK = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
+COUNT = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    port = free_port()
+    proc = start_server(port, "--model", str(smollm2_path), *ARGS)
+    try:
+        wait_ready(proc, port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        yield c
+
+
+def chat(http, **body) -> dict:
+    body.setdefault("messages", ASK)
+    body.setdefault("temperature", 0)
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text(http, **body) -> dict:
+    r = http.post("/v1/completions", json={**COUNT, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# --- structured output -------------------------------------------------------------------------
+
+class Capital(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+    confident: bool
+
+
+def test_parse_with_a_pydantic_model(client):
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    r = parse(model="smollm2", messages=ASK, response_format=Capital, temperature=0, max_tokens=64)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Capital)
+    assert Capital.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_object_mode_gives_json(client):
+    r = client.chat.completions.create(
+        model="smollm2", temperature=0, max_tokens=96, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Describe Paris in JSON with keys name and country."}])
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_llama_server_json_schema_and_grammar_fields(http):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["Paris", "Lyon", "Nice"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = chat(http, json_schema=schema, max_tokens=32)
+    assert json.loads(r["choices"][0]["message"]["content"]) == {"answer": "Paris"}
+    r = chat(http, grammar='root ::= "yes" | "no"', max_tokens=8,
+             messages=[{"role": "user", "content": "Is Paris in France? Say yes or no."}])
+    assert r["choices"][0]["message"]["content"] in ("yes", "no") and r["choices"][0]["finish_reason"] == "stop"
+    r = text(http, grammar='root ::= [0-9]+ ", " [0-9]+ "."', max_tokens=16)  # text completions too
+    assert r["choices"][0]["text"].replace(",", "").replace(".", "").split() == ["9", "10"]
+
+
+@pytest.mark.parametrize("extension", [{"gate": "always", "budget": 40}, {"gate": "verify", "budget": 40}],
+                         ids=["gate-always", "gate-verify"])
+def test_constrained_output_survives_eviction(http, extension):
+    """The grammar sees every answer token when the cache is evicted before the answer (always) or
+    when self-verification teacher-forces the answer on the evicted copy and commits it (verify)."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 20},
+                                               "bridges": {"type": "integer"}},
+              "required": ["colour", "bridges"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": PASSAGE + "\nWhat colour is the lighthouse, and how many bridges are there?"}]
+    r = chat(http, messages=msgs, max_tokens=48, response_format={"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": schema}}, page_local=extension)
+    d = r["page_local"]["decision"]
+    assert d["open"] and d["T"] > d["B"]  # the gate opened on a prompt longer than the budget
+    out = json.loads(r["choices"][0]["message"]["content"])
+    assert set(out) == {"colour", "bridges"} and isinstance(out["bridges"], int)
+
+
+# --- logprobs ----------------------------------------------------------------------------------
+
+def test_logprobs_at_temperature_0(client):
+    r = client.chat.completions.create(model="smollm2", messages=ASK, temperature=0, max_tokens=12, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert bytes(e.bytes) == e.token.encode()
+    # streamed: the same tokens and numbers, spread over the chunks
+    streamed = []
+    for chunk in client.chat.completions.create(model="smollm2", messages=ASK, temperature=0, max_tokens=12,
+                                                logprobs=True, top_logprobs=3, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+
+
+def test_logprobs_stop_at_a_stop_string(http):
+    full = chat(http, max_tokens=12, logprobs=True)
+    content = full["choices"][0]["message"]["content"]
+    cut = content[: max(1, len(content) // 2)]
+    stop = content[len(cut):][:3]
+    r = chat(http, max_tokens=12, logprobs=True, stop=[stop])
+    got = r["choices"][0]
+    assert got["message"]["content"] == content[: content.find(stop)]
+    toks = "".join(e["token"] for e in got["logprobs"]["content"])
+    assert toks.startswith(got["message"]["content"]) and len(toks) < len(content)  # no token past the cut
+
+
+# --- embeddings --------------------------------------------------------------------------------
+
+def test_embeddings(client, http):
+    a, b = "The cat sat on the mat.", "Quarterly revenue rose by four percent."
+    r = client.embeddings.create(model="smollm2", input=[a, a, b])  # the SDK asks for base64 and decodes it
+    v = np.array([d.embedding for d in r.data])
+    assert v.shape == (3, 576) and [d.index for d in r.data] == [0, 1, 2]
+    assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    assert np.array_equal(v[0], v[1]) and float(v[0] @ v[2]) < 0.99
+    f = client.embeddings.create(model="smollm2", input=a, encoding_format="float")
+    assert np.allclose(f.data[0].embedding, v[0], atol=1e-6)
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 0
+    toks = http.post("/tokenize", json={"content": a, "add_special": True}).json()["tokens"]
+    by_ids = http.post("/v1/embeddings", json={"input": toks}).json()["data"][0]["embedding"]
+    assert np.allclose(by_ids, v[0], atol=1e-6)  # token ids embed as their text does
+
+
+def test_embeddings_leave_the_chat_cache_alone(http):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    first = chat(http, messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "Another one?"}]
+    r = http.post("/v1/embeddings", json={"input": ["Lorem ipsum dolor sit amet " * 20]})
+    assert r.status_code == 200
+    again = chat(http, messages=msgs, max_tokens=4)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 32
+
+
+# --- tokenize / detokenize ---------------------------------------------------------------------
+
+def test_tokenize_detokenize_round_trip(http):
+    s = "Grüße, page-local! <|im_start|>"
+    toks = http.post("/tokenize", json={"content": s}).json()["tokens"]
+    assert toks and all(isinstance(t, int) for t in toks)
+    assert http.post("/detokenize", json={"tokens": toks}).json() == {"content": s}
+    pieces = http.post("/tokenize", json={"content": s, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == toks
+    assert "".join(p["piece"] for p in pieces if isinstance(p["piece"], str)) in s
+    plain = http.post("/tokenize", json={"content": "<|im_start|>", "parse_special": False}).json()["tokens"]
+    assert len(plain) > 1 and len(http.post("/tokenize", json={"content": "<|im_start|>"}).json()["tokens"]) == 1
+
+
+# --- sampling fields ---------------------------------------------------------------------------
+
+def test_n_predict_is_max_tokens(http):
+    assert text(http, n_predict=3)["usage"]["completion_tokens"] == 3
+    assert chat(http, n_predict=2)["usage"]["completion_tokens"] == 2
+    assert text(http, n_predict=3, max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+def test_penalties_and_min_p(http):
+    story = {"prompt": "Once upon a time, there was a little", "max_tokens": 16}
+    told = text(http, **story)["choices"][0]["text"]  # greedy: "... She loved to play with"
+    neutral = text(http, **story, repeat_penalty=1.0, presence_penalty=0, frequency_penalty=0, min_p=0,
+                   penalty_last_n=64)["choices"][0]["text"]
+    assert neutral == told  # the neutral values are the defaults: greedy stays greedy
+    for field, value in (("repeat_penalty", 1.5), ("frequency_penalty", 1.5), ("presence_penalty", 1.5)):
+        assert text(http, **story, **{field: value})["choices"][0]["text"] != told, field
+    assert text(http, **story, repeat_penalty=1.5, penalty_last_n=0)["choices"][0]["text"] == told  # 0: off
+    base = text(http, max_tokens=24)["choices"][0]["text"]
+    # min_p 1 keeps only the most likely token: a draw at temperature 1 is the greedy answer
+    assert text(http, max_tokens=24, temperature=1.0, seed=7, min_p=1.0)["choices"][0]["text"] == base
+    banned = http.post("/tokenize", json={"content": " 9"}).json()["tokens"]
+    biased = text(http, max_tokens=24, logit_bias={str(banned[0]): -100})["choices"][0]["text"]
+    assert biased != base and " 9" not in biased[:4]
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+REFUSED = [
+    ("chat", {"mirostat": 2}, "mirostat"),
+    ("chat", {"something_new": {"a": 1}}, "something_new"),
+    ("chat", {"ignore_eos": True}, "ignore_eos"),
+    ("chat", {"cache_prompt": False}, "cache_prompt"),
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"grammar": "root ::= foo"}, "grammar"),
+    ("chat", {"json_schema": {"$ref": "#/nowhere"}}, "json_schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("chat", {"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "grammar"),
+    ("chat", {"n_predict": 4, "max_tokens": 5}, "n_predict"),
+    ("chat", {"logit_bias": {"999999": -100}}, "logit_bias"),
+    ("chat", {"repeat_penalty": 0}, "repeat_penalty"),
+    ("text", {"logprobs": 2}, "logprobs"),
+    ("text", {"echo": True}, "echo"),
+    ("text", {"typical_p": 0.5}, "typical_p"),
+]
+
+
+@pytest.mark.parametrize("kind, extra, param", REFUSED, ids=[f"{k}-{p}" for k, _, p in REFUSED])
+def test_fields_not_honoured_are_refused_by_name(http, kind, extra, param):
+    body = {"messages": ASK, "max_tokens": 2} if kind == "chat" else {**COUNT, "max_tokens": 2}
+    r = http.post("/v1/chat/completions" if kind == "chat" else "/v1/completions", json={**body, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param.split(".")[0] in err["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/embeddings", {"input": "x", "dimensions": 64}, "dimensions"),
+    ("/v1/embeddings", {"input": ""}, "input"),
+    ("/v1/embeddings", {"input": "word " * 600}, "input"),
+    ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ("/tokenize", {"content": "x", "lang": "en"}, "lang"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+], ids=["dimensions", "empty", "too-long", "encoding", "tokenize-unknown", "detokenize-out-of-vocab"])
+def test_the_model_routes_refuse_by_name(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_user_and_metadata_are_accepted(http):
+    assert chat(http, max_tokens=1, user="someone", metadata={"app": "x"})["choices"]
+
+
+def test_token_logprobs_is_a_log_softmax():
+    """engine.token_logprobs against a float64 reference: the token's log-probability, the top n sorted."""
+    from page_local.engine.engine import token_logprobs
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal(1000) * 4).astype(np.float32)
+    ref = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64))
+    tok, lp, top = token_logprobs(logits, 17, 5)
+    assert tok == 17 and lp == pytest.approx(ref[17], abs=1e-9)
+    assert [t for t, _ in top] == list(np.argsort(-ref)[:5])
+    assert [v for _, v in top] == pytest.approx(list(np.sort(ref)[::-1][:5]), abs=1e-9)
+    assert token_logprobs(logits, 3, 0)[2] == []
