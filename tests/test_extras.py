@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-EXTRAS = ("pytest", "xdist", "hypothesis", "pexpect", "openai", "httpx", "ollama",  # [test]
+EXTRAS = ("pytest", "xdist", "hypothesis", "pexpect", "openai", "httpx", "ollama", "selenium",  # [test]
           "starlette", "uvicorn", "sse_starlette", "prometheus_client")  # [serve]
 
 
