@@ -8,6 +8,8 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-$root/build-peer}"
 cache="${PAGE_CACHE_DIR:-$HOME/.cache/page-local}"
+export PATH="$root/.venv/bin:$PATH"           # cmake, ninja and ccache come from the venv (make setup)
+export CCACHE_DIR="${CCACHE_DIR:-$cache/ccache}"
 version="$(sed -n 's/^version=//p' "$root/csrc/UPSTREAM")"
 sdist="$cache/llama_cpp_python-$version.tar.gz"
 if [ ! -f "$sdist" ]; then
