@@ -36,6 +36,8 @@ WORDS = ["red", "blue", "green", "amber", "violet"]
 # about 700 tokens of SmolLM2: longer than the context, so reading it makes room
 DOCUMENT = " ".join(f"Shelf {i}: the {WORDS[i % 5]} jar number {i} holds {i * 7 + 3} beads." for i in range(44))
 QUESTION = "How many beads does jar 12 hold?"
+SYSTEM = ("You are a careful assistant. You answer in plain words, keep to the point, and never make up facts "
+          "you do not know. When you are asked to count, you count.")
 
 
 # --- 1. held.py, without a model ----------------------------------------------------------------
@@ -209,8 +211,13 @@ def set_chat(driver, **fields):
     """Fill the chat's settings (set-max-tokens=..., set-temperature=...) as a user does."""
     if not by_id(driver, "settings").is_displayed():
         by_id(driver, "toggle-settings").click()
+    from selenium.webdriver.support.ui import Select
+
     for name, value in fields.items():
         box = by_id(driver, name.replace("_", "-"))
+        if box.tag_name == "select":
+            Select(box).select_by_value(str(value))
+            continue
         box.clear()
         box.send_keys(str(value), "\t")  # the change event saves it in the chat
     by_id(driver, "toggle-settings").click()
@@ -328,12 +335,29 @@ def test_stop_and_regenerate(server, browser):
     wait(d, last_answer_done, 30, "the stopped answer")
     stopped = chats(d)[0]["messages"][-1]
     assert stopped["meta"].get("stopped") and 0 < len(stopped["content"]) < 1000
-    set_chat(d, set_max_tokens=8)
+    # the chat's own settings: a system prompt, and page_local overrides that evict for speed (StreamingLLM
+    # keeps the sinks and the newest tokens: the middle, the system prompt, goes)
+    set_chat(d, set_system=SYSTEM, set_max_tokens=8, set_gate="always", set_budget="0.25",
+             set_evictor="streamingllm")
     by_id(d, "regenerate").click()  # the server is free again at once: a new answer replaces the stopped one
     wait(d, lambda d: chats(d)[0]["messages"][-1]["meta"].get("ext") is not None, 60, "the regenerated answer")
     msgs = chats(d)[0]["messages"]
     assert [m["role"] for m in msgs] == ["user", "assistant"] and not msgs[-1]["meta"].get("stopped")
-    assert msgs[-1]["meta"]["ext"]["answer"]["tokens"] <= 8
+    ext = msgs[-1]["meta"]["ext"]
+    assert ext["answer"]["tokens"] <= 8
+    assert ext["settings"]["gate"] == "always" and ext["settings"]["budget"] == 0.25
+    assert ext["settings"]["evictor"] == "streamingllm" and ext["decision"]["evicted"]
+    assert {e["why"] for e in ext["cache_map"]["evicted"]} == {"speed"}
+    from selenium.webdriver.common.by import By
+
+    last = d.find_element(By.CSS_SELECTOR, "#messages .msg.assistant:last-child")
+    last.find_element(By.CSS_SELECTOR, "details.cache-view summary").click()
+    wait(d, lambda d: last.find_elements(By.CSS_SELECTOR, ".cache-map .mark.s-speed"), 10, "marks of a speed eviction")
+    page = d.execute_script(
+        "return Array.from(arguments[0].querySelectorAll('.cache-map .mark[data-state]')).map(s => "
+        "({message: +s.dataset.message, start: +s.dataset.start, end: +s.dataset.end, state: s.dataset.state}))", last)
+    assert page == ext["cache_map"]["spans"]
+    assert {s["state"] for s in page if s["message"] == 0} >= {"speed"}  # message 0: the system prompt
 
 
 def test_an_answer_with_html_is_shown_as_text(server, browser):
