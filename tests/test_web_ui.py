@@ -389,3 +389,40 @@ def test_an_answer_with_html_is_shown_as_text(server, browser):
     assert "<img src=x onerror=window.pwned=7>" in answer.find_element(By.CSS_SELECTOR, ".summary").text
     assert "<script>" in d.find_element(By.CSS_SELECTOR, "#messages .msg.user").text
     d.save_screenshot(str(OUT / "web-ui-html-as-text.png"))
+
+
+def test_import_rename_export_and_delete(server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    d = browser
+    open_page(d, server, key=KEY)
+    d.execute_script("localStorage.removeItem('page-local/chats')")
+    open_page(d, server, key=KEY)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"chats": [{"title": "x", "messages": [{"role": "robot", "content": "hi"}]}]}')
+    by_id(d, "import").send_keys(str(bad))
+    wait(d, lambda d: "could not be imported" in by_id(d, "status").text, 10, "the refusal of a bad file")
+    assert "role user or assistant" in by_id(d, "status").text and chats(d) == []
+    good = tmp_path / "chats.json"
+    good.write_text(json.dumps({"format": "page-local-chats", "version": 1, "chats": [
+        {"id": "a", "title": "Imported", "messages": [{"role": "user", "content": "Hi **there**"},
+                                                       {"role": "assistant", "content": "Hello `code`"}]}]}))
+    by_id(d, "import").send_keys(str(good))
+    wait(d, lambda d: "Imported 1 chat" in by_id(d, "status").text, 10, "the import")
+    assert d.find_element(By.CSS_SELECTOR, "#messages .msg.assistant .body code").text == "code"
+    by_id(d, "rename").click()
+    alert = d.switch_to.alert
+    alert.send_keys("Renamed")
+    alert.accept()
+    assert by_id(d, "chat-title").text == "Renamed" and chats(d)[0]["title"] == "Renamed"
+    exported = d.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "URL.createObjectURL = (blob) => { blob.text().then(done); return 'about:blank'; };"
+        "HTMLAnchorElement.prototype.click = () => {};"
+        "document.getElementById('export').click();")
+    data = json.loads(exported)
+    assert data["format"] == "page-local-chats" and [c["title"] for c in data["chats"]] == ["Renamed"]
+    assert data["chats"][0]["messages"][1]["content"] == "Hello `code`"
+    by_id(d, "delete").click()
+    d.switch_to.alert.accept()
+    assert chats(d) == [] and d.find_elements(By.CSS_SELECTOR, "#chat-list .chat-item") == []

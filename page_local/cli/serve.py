@@ -165,6 +165,8 @@ def serve_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, threa
             click.echo(f"warning: {w}", err=True)
         click.echo(f"page-local serve: ready: {parallel} slot{'s' if parallel > 1 else ''}, n_ctx {n_ctx}, "
                    f"gate {gate}, budget {budget}, evictor {evictor}, on full: {on_full}, {said_keys}", err=True)
+        page = "127.0.0.1" if host in ("0.0.0.0", "::", "") else shown  # (a wildcard bind: this machine's own)
+        click.echo(f"page-local serve: the web UI is at http://{page}:{port}/", err=True)
 
     def on_error(message: str):
         server.should_exit = True
