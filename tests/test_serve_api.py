@@ -282,3 +282,31 @@ def test_token_logprobs_is_a_log_softmax():
     assert [t for t, _ in top] == list(np.argsort(-ref)[:5])
     assert [v for _, v in top] == pytest.approx(list(np.sort(ref)[::-1][:5]), abs=1e-9)
     assert token_logprobs(logits, 3, 0)[2] == []
+
+
+# --- the request checks, in process (no model) -------------------------------------------------
+
+def test_fields_become_the_job():
+    from page_local.serve.protocol import parse_job
+
+    job = parse_job({"messages": ASK, "n_predict": -1, "logit_bias": [[5, -100], [7, 2.5]], "min_p": 0.1,
+                     "repeat_penalty": 1.1, "penalty_last_n": -1, "logprobs": True, "user": "u"}, "chat", 300)
+    assert job.max_tokens == 300 and job.logit_bias == {5: -100.0, 7: 2.5} and job.min_p == 0.1
+    assert job.penalty_last_n == -1 and job.logprobs == 0 and job.grammar is None
+    s = job.sampling()
+    assert (s.repeat_penalty, s.min_p, s.logprobs) == (1.1, 0.1, 0)
+    plain = parse_job({"messages": ASK, "temperature": 0}, "chat", 300).sampling()
+    assert (plain.min_p, plain.repeat_penalty, plain.presence_penalty, plain.frequency_penalty, plain.logit_bias,
+            plain.grammar, plain.logprobs) == (0.0, 1.0, 0.0, 0.0, None, None, None)  # as before: all off
+    assert parse_job({"messages": ASK, "response_format": {"type": "text"}}, "chat", 300).grammar is None
+    job = parse_job({"messages": ASK, "response_format": {"type": "json_object"}}, "chat", 300)
+    assert "root ::= object" in job.grammar and job.grammar_field == "response_format"
+
+
+def test_json_strings_exclude_control_characters():
+    """The converter's string character, narrowed as llama.cpp's own: a raw newline cannot enter a string."""
+    from page_local.native.sampler import schema_to_grammar
+
+    g = schema_to_grammar({"type": "object", "properties": {"a": {"type": "string"}}})
+    char = next(line for line in g.splitlines() if line.startswith("char ::="))
+    assert char.startswith(r'char ::= [^"\\\x7F\x00-\x1F] |')

@@ -444,7 +444,8 @@ class Engine(ContextPolicy):
         s = sampling
         bad = [t for t in (s.logit_bias or {}) if not 0 <= t < self.model.n_vocab]
         if bad:
-            raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary (0..{self.model.n_vocab - 1})")
+            raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary "
+                             f"(0..{self.model.n_vocab - 1})")
         last_n = self.ctx.n_ctx if s.penalty_last_n == -1 else s.penalty_last_n
         return make_sampler(s.temperature, s.top_k, s.top_p, s.seed, min_p=s.min_p,
                             repeat_penalty=s.repeat_penalty, presence_penalty=s.presence_penalty,

@@ -3,7 +3,8 @@ in a slot's thread, and say how the server is doing. No HTTP here (app.py), no O
 the events a request produces (protocol.py builds the bodies).
 
 A request's events, in order, each put on the event loop's queue from the slot's thread:
-    ("text", piece, logprobs)*  then one of  ("done", {"finish", "usage", "page_local", "logprobs"})  |  ("error", ApiError)
+    ("text", piece, logprobs)*  then one of  ("done", {"finish", "usage", "page_local", "logprobs"})
+                                      |  ("error", ApiError)
 (logprobs: the OpenAI entries of the tokens the piece begins, or None when the request did not ask.)
 """
 
