@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,35 +46,45 @@ GREEDY = {"temperature": 0, "num_predict": 8}
 LONG = " ".join(f"Box {i} holds {i % 7 + 2} red apples and {i % 5 + 1} green pears." for i in range(110))
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_path):
+def start(model_path) -> tuple[subprocess.Popen, int]:
+    """A server on a free port, ready (its /health answers 200)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PAGE_LOCAL_API_KEY", "PAGE_LOCAL_MODEL")}
     proc = subprocess.Popen([sys.executable, "-m", "page_local.cli", "serve", "--port", str(port), "--model",
-                             str(smollm2_path), *SERVER_ARGS], env=env, stdin=subprocess.DEVNULL,
+                             str(model_path), *SERVER_ARGS], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        t_end = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited {proc.returncode}: {proc.stdout.read()}")
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > t_end:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.05)
-        yield {"port": port, "base": base}
-    finally:
+    t_end = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > t_end:
+            stop(proc)
+            raise RuntimeError("the server did not become ready")
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    proc, port = start(smollm2_path)
+    try:
+        yield {"port": port, "base": f"http://127.0.0.1:{port}"}
+    finally:
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +202,8 @@ def test_errors_in_ollamas_shape(client, http):
                                                           "user, assistant, got 'wizard'"}
     assert http.get("/api/nothing").json() == {"error": "no route GET /api/nothing; see /v1/models, "
                                                         "/v1/chat/completions, /v1/completions"}
+    refused = http.get("/api/tags", headers={"Host": "evil.example"})  # the guards answer in Ollama's shape too
+    assert refused.status_code == 403 and "evil.example" in refused.json()["error"]
     # a load-time option is ignored (the server's context is fixed), the answer is the same
     a = client.chat(model=MODEL, messages=QUESTION, stream=False, options={**GREEDY, "num_ctx": 8192})
     b = client.chat(model=MODEL, messages=QUESTION, stream=False, options=GREEDY)
@@ -230,17 +243,24 @@ def slot(http) -> dict:
     return http.get("/v1/page_local/stats").json()["slots"][0]
 
 
-def test_a_client_gone_during_the_prefill_frees_the_slot(client, http, server):
-    reference = client.chat(model=MODEL, messages=QUESTION, stream=False, options=GREEDY).message.content
-    before = scrape(http)
+def send_long(port: int) -> socket.socket:
+    """The long prompt to /api/generate (streamed), on a raw socket; returned once its prefill runs."""
     body = json.dumps({"model": MODEL, "prompt": LONG, "raw": True, "options": {"temperature": 0, "num_predict": 4}})
-    sock = socket.create_connection(("127.0.0.1", server["port"]))
+    sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall((f"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body.encode())}\r\n\r\n{body}").encode())
     t_end = time.monotonic() + 30
-    while not slot(http)["busy"]:  # the request has its slot: its prefill is running
-        assert time.monotonic() < t_end, "the request never got its slot"
-        time.sleep(0.01)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        while not slot(http)["busy"]:  # the request has its slot: its prefill is running
+            assert time.monotonic() < t_end, "the request never got its slot"
+            time.sleep(0.01)
+    return sock
+
+
+def test_a_client_gone_during_the_prefill_frees_the_slot(client, http, server):
+    reference = client.chat(model=MODEL, messages=QUESTION, stream=False, options=GREEDY).message.content
+    before = scrape(http)
+    sock = send_long(server["port"])
     sock.close()  # before any byte of the answer: the status line waits for the first token
     t_closed = time.monotonic()
     while slot(http)["busy"]:
@@ -252,12 +272,31 @@ def test_a_client_gone_during_the_prefill_frees_the_slot(client, http, server):
     assert after[("page_local_prompt_tokens_total", ())] == before[("page_local_prompt_tokens_total", ())]
     assert slot(http)["history_tokens"] == 0  # the slot forgot the half-prefilled prompt
 
-    # the prompt sent again is prefilled whole, nothing of the cancelled prefill reused
-    r = http.post("/api/generate", json={"model": MODEL, "prompt": LONG, "raw": True, "stream": False,
+    # the prompt's beginning (what the cancelled prefill had decoded) is prefilled again, not reused
+    r = http.post("/api/generate", json={"model": MODEL, "prompt": LONG[:400], "raw": True, "stream": False,
                                          "options": {"temperature": 0, "num_predict": 2}})
     assert r.status_code == 200, r.text
     done = r.json()
-    assert done["prompt_eval_count"] > 1024 and done["page_local"]["cache"]["reused_tokens"] == 0
+    assert done["prompt_eval_count"] > 64 and done["page_local"]["cache"]["reused_tokens"] == 0
     t0 = time.monotonic()
     assert client.chat(model=MODEL, messages=QUESTION, stream=False, options=GREEDY).message.content == reference
     assert time.monotonic() - t0 < 60
+
+
+def test_ctrl_c_stops_a_running_prefill(smollm2_path):
+    """SIGINT while a prefill runs: the request is answered 503 "cancelled" (its prefill stopped, not
+    finished), and the server exits."""
+    proc, port = start(smollm2_path)
+    try:
+        sock = send_long(port)
+        proc.send_signal(signal.SIGINT)
+        sock.settimeout(60)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        assert b"cancelled during its prefill" in answer
+        assert proc.wait(timeout=60) == 0
+    finally:
+        stop(proc)

@@ -148,8 +148,16 @@ def serve_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, threa
                         max_body_bytes=max_body_kb * 1024, api_keys=keys, cors_origins=cors_origins,
                         host=host, allow_hosts=allow_hosts)
     backend = Backend(settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
-                                           access_log=False, lifespan="on", timeout_graceful_shutdown=3))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C: the running requests stop now, not after the grace time
+            backend.cancel_running()
+            super().handle_exit(sig, frame)
+
+    # the grace time only bounds what cancel_running did not stop: a request ends within one token, or one
+    # ubatch of its prefill (seconds on a slow CPU), and is then answered (503 "cancelled"), not cut off
+    server = Server(uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
+                                   access_log=False, lifespan="on", timeout_graceful_shutdown=10))
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"page-local serve: http://{shown}:{port}/v1 (model {name}); loading", err=True)
 

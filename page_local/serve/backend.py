@@ -159,10 +159,14 @@ class Backend:
             self._loader.join()
         self._close_slots()
 
-    def _close_slots(self) -> None:
+    def cancel_running(self) -> None:
+        """Stop every running request: a prefill before its next ubatch, an answer within one token (Ctrl-C)."""
         for slot in self.slots:
             if slot.cancel is not None:
                 slot.cancel.set()
+
+    def _close_slots(self) -> None:
+        self.cancel_running()
         with self._embed_lock:  # before the model it borrows
             if self._embedder is not None:
                 self._embedder.close()
@@ -441,6 +445,7 @@ class Turn:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
+        slot.cancel = self.cancel  # now, not when the slot's thread starts: Backend.cancel_running sees it at once
         pool = backend.pool
         fut = slot.executor.submit(backend.run, slot, job, tokens, n_keep, self._emit, self.cancel)
         fut.add_done_callback(lambda _f: self._call(pool.release, slot))

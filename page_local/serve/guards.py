@@ -139,7 +139,8 @@ def _same_origin(origin: str, host: str) -> bool:
 async def _refuse(e: ApiError, scope, receive, send) -> None:
     from starlette.responses import JSONResponse
 
-    await JSONResponse(e.body(), status_code=e.status, headers=e.headers)(scope, receive, send)
+    body = {"error": e.message} if scope["path"].startswith("/api/") else e.body()  # Ollama's routes: its shape
+    await JSONResponse(body, status_code=e.status, headers=e.headers)(scope, receive, send)
 
 
 class HostGuard:
