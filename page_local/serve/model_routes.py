@@ -134,7 +134,7 @@ def routes(backend, ready):
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise bad(f"encoding_format must be \"float\" or \"base64\", got {fmt!r}", "encoding_format")
-        inputs = embedding_inputs(body, model())
+        inputs = await asyncio.to_thread(embedding_inputs, body, model())  # up to MAX_INPUTS tokenizations
         limit = backend.embed_ctx
         for i, toks in enumerate(inputs):
             if len(toks) > limit:
