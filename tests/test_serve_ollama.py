@@ -177,6 +177,13 @@ def test_generate_templated_and_raw(client, http):
                                                       {"role": "user", "content": "Hi"}])
 
 
+def test_format_constrains_the_answer_to_a_schema(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    r = client.chat(model=MODEL, messages=QUESTION, stream=False, format=schema,
+                    options={"temperature": 0, "num_predict": 48})
+    assert r.done_reason == "stop" and set(json.loads(r.message.content)) == {"city"}
+
+
 def test_an_empty_request_reports_the_model_loaded(client):
     r = client.generate(model=MODEL, prompt="")
     assert r.done and r.done_reason == "load" and r.response == ""
@@ -205,7 +212,8 @@ def test_errors_in_ollamas_shape(client, http):
     refused = http.get("/api/tags", headers={"Host": "evil.example"})  # the guards answer in Ollama's shape too
     assert refused.status_code == 403 and "evil.example" in refused.json()["error"]
     # a load-time option is ignored (the server's context is fixed), the answer is the same
-    a = client.chat(model=MODEL, messages=QUESTION, stream=False, options={**GREEDY, "num_ctx": 8192})
+    a = client.chat(model=MODEL, messages=QUESTION, stream=False,  # and Ollama's defaults of samplers it lacks
+                    options={**GREEDY, "num_ctx": 8192, "typical_p": 1.0, "mirostat": 0, "seed": -1})
     b = client.chat(model=MODEL, messages=QUESTION, stream=False, options=GREEDY)
     assert a.message.content == b.message.content
 

@@ -12,9 +12,10 @@ validates it, so the rules live in one place) and runs on the same path: the gua
 JSON), the queue, a slot, the conversation cache of its key. What page-local cannot honour is refused
 with a 400 that names the field; errors are Ollama's {"error": "..."}.
 
-Options. temperature, top_p, top_k, seed, num_predict (-1 and -2: until the context is full), stop,
-and the sampling fields the OpenAI routes take (min_p, repeat_penalty, presence_penalty,
-frequency_penalty) map to the OpenAI fields. Absent ones take Ollama's defaults (temperature 0.8, top_k
+Options. temperature, top_p, top_k, seed (-1: a fresh one), num_predict (-1 and -2: until the context is
+full), stop, and the sampling fields the OpenAI routes take (min_p, repeat_penalty, presence_penalty,
+frequency_penalty, repeat_last_n as penalty_last_n) map to the OpenAI fields; typical_p, mirostat and
+tfs_z are accepted at the values that turn them off. Absent ones take Ollama's defaults (temperature 0.8, top_k
 40, top_p 0.9), not OpenAI's. The load-time options (num_ctx, num_batch, num_gpu, num_thread, ...) are
 ignored: Ollama itself applies them by loading the model again, and apps send them with every request
 (Continue sends num_ctx always), so a refusal would break those apps; this server's context is fixed
@@ -36,11 +37,15 @@ from page_local.serve.protocol import ApiError, bad
 OLLAMA_VERSION = "0.32.0"  # the Ollama release whose API shapes these routes follow
 # options Ollama applies when it loads a model: ignored here (the module docstring says why)
 LOAD_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
-                          "vocab_only", "use_mmap", "use_mlock", "num_thread", "numa", "draft_num_predict"})
+                          "vocab_only", "use_mmap", "use_mlock", "num_thread", "numa", "draft_num_predict",
+                          "num_keep"})  # (num_keep: what a context shift keeps; page-local keeps the system prompt)
 # Ollama's option -> the OpenAI field it becomes
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop",
             "num_predict": "max_tokens", "min_p": "min_p", "repeat_penalty": "repeat_penalty",
-            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+            "repeat_last_n": "penalty_last_n"}
+# samplers page-local does not have: accepted at the value that turns them off (Ollama's defaults), else refused
+NEUTRAL = {"typical_p": 1.0, "mirostat": 0, "tfs_z": 1.0}
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 FAR = timedelta(days=365 * 292)  # Ollama's expires_at for a model kept loaded (keep_alive < 0)
 
@@ -71,7 +76,8 @@ def _options(body: dict, out: dict, names: dict) -> None:
     for k, v in OLLAMA_DEFAULTS.items():
         out.setdefault(k, v)
     for key, value in opts.items():
-        if key in LOAD_OPTIONS or value is None:
+        if key in LOAD_OPTIONS or value is None or (key in NEUTRAL and value == NEUTRAL[key]
+                                                     and not isinstance(value, bool)):
             continue
         if key not in SAMPLING:
             raise bad(f"options.{key} is not supported by page-local; it honours {', '.join(sorted(SAMPLING))} "
@@ -86,6 +92,8 @@ def _options(body: dict, out: dict, names: dict) -> None:
                 continue  # the default: until the end of the answer or of the context
         if key == "stop" and isinstance(value, list) and not value:
             continue
+        if key == "seed" and isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            continue  # Ollama's -1 (its default): a fresh seed per request
         out[field] = value
         names[field] = f"options.{key}"
 
