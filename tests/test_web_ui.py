@@ -147,6 +147,20 @@ def test_the_page_is_served_without_a_key_the_api_is_not(server):
     assert httpx.post(server + "/", json={}).status_code in (401, 405)  # only GET is open
 
 
+def test_cache_map_is_sent_when_asked_for(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    plain = httpx.post(server + "/v1/chat/completions", json=body, headers=auth, timeout=60).json()
+    assert "cache_map" not in plain["page_local"]
+    asked = httpx.post(server + "/v1/chat/completions", json=body | {"page_local": {"cache_map": True}},
+                       headers=auth, timeout=60).json()
+    cm = asked["page_local"]["cache_map"]
+    assert cm["tokens"] == asked["usage"]["prompt_tokens"] + asked["usage"]["completion_tokens"]
+    assert cm["spans"][0] == {"message": 0, "start": 0, "end": 2, "state": "held"}  # "Hi", all held
+    r = httpx.post(server + "/v1/chat/completions", json=body | {"page_local": {"cache_map": "yes"}}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "page_local.cache_map"
+
+
 # --- the browser ----------------------------------------------------------------------------------
 
 def _browser_missing() -> str | None:

@@ -21,7 +21,7 @@ from page_local.gate import GATE_MODES
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16  # OpenAI allows 4; llama-server more: enough for a chat template's turn markers
 MAX_STOP_CHARS = 256
-EXTENSION_FIELDS = ("gate", "budget", "evictor", "verify_tokens", "on_full")
+EXTENSION_FIELDS = ("gate", "budget", "evictor", "verify_tokens", "on_full", "cache_map")
 
 
 class ApiError(Exception):
@@ -56,6 +56,7 @@ class Overrides:
     evictor: str | None = None
     verify_tokens: int | None = None
     on_full: str | None = None  # a turn that does not fit: "evict" earlier cells, or "refuse" (400)
+    cache_map: bool = False  # the response says what the cache holds, in the messages' characters (held.py)
 
 
 @dataclass
@@ -251,6 +252,11 @@ def _overrides(body: dict) -> Overrides:
         if not isinstance(on_full, str):
             raise bad(f"page_local.on_full must be \"evict\" or \"refuse\", got {on_full!r}", "page_local.on_full")
         o.on_full = on_full
+    cache_map = ext.get("cache_map")
+    if cache_map is not None:
+        if not isinstance(cache_map, bool):
+            raise bad(f"page_local.cache_map must be true or false, got {cache_map!r}", "page_local.cache_map")
+        o.cache_map = cache_map
     return o
 
 

@@ -165,7 +165,7 @@ function requestMessages(chat, upto, system) {
 
 function overrides(chat) {
   const s = chat.settings;
-  const o = {};
+  const o = { cache_map: true }; // what the cache holds, for the view beside the answer
   if (s.gate) o.gate = s.gate;
   if (s.evictor) o.evictor = s.evictor;
   if (s.on_full) o.on_full = s.on_full;
@@ -198,7 +198,7 @@ async function send(chat) {
     messages: requestMessages(chat, sent, system), stream: true, temperature: chat.temperature,
     max_tokens: chat.maxTokens,
   };
-  if (Object.keys(page_local).length) body.page_local = page_local;
+  body.page_local = page_local;
   const t0 = performance.now();
   try {
     const res = await api("/v1/chat/completions", {
