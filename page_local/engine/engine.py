@@ -137,6 +137,7 @@ class Engine(ContextPolicy):
         # (a conversation restored from a snapshot, which does not record why its cells went)
         self._room_out: set[int] | None = set()
         self.pipeline = Pipeline(self.ctx, self.model)  # the turn's steps (turn.py), shared with eval and bench
+        self._progress_fn = None  # set_progress
 
     # --- settings ----------------------------------------------------------------------------
     def set_budget(self, budget: float | int) -> None:
@@ -178,6 +179,24 @@ class Engine(ContextPolicy):
             raise ValueError(f"verify_tokens must be an int in [1, 256], got {tokens!r}")
         rule, threshold = check_rule(rule, threshold)
         self.verify_tokens, self.verify_threshold, self.verify_rule = tokens, threshold, rule
+
+    def set_progress(self, fn) -> None:
+        """fn: None, or fn(done, total) called after each batch of a turn's prefill (room-making's parts
+        included): `done` of the message's `total` tokens are read (done may pass total by the few tokens
+        room-making reads twice). The REPL shows it; it runs on the thread that iterates the stream."""
+        self._progress_fn = fn
+
+    def _progress_of(self, total: int):
+        fn = self._progress_fn
+        if fn is None:
+            return None
+        done = 0
+
+        def step(n: int) -> None:
+            nonlocal done
+            done += n
+            fn(min(done, total), total)
+        return step
 
     def set_cancel(self, flag) -> None:
         """flag: None, or an object with is_set() (a threading.Event) that another thread may set. Once it
@@ -372,7 +391,11 @@ class Engine(ContextPolicy):
         if self.gate_mode in VERIFY_MODES:  # one copy of the answer (search batches first chunks if room is left)
             reserve += min(max_tokens, self.verify_tokens) + 1
         start = len(self.history)  # where this message begins: an answer never evicts it to make room
-        dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
+        self.pipeline.progress = self._progress_of(len(toks))
+        try:
+            dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
+        finally:
+            self.pipeline.progress = None
         stream.decision = dec
 
         # generation: sample, decode, then yield, so that what the caller has seen is in the cache
