@@ -328,7 +328,8 @@ def routes(backend, ready, namespace):
         check_model(body.get("model"))
         openai, kind, names = openai_request(body, route)
         name = body["model"]
-        if not (body.get("messages") if route == "chat" else body.get("prompt")):  # Ollama loads the model and says so: here it is loaded already
+        # nothing to answer: Ollama loads the model and says so (here it is loaded already)
+        if not (body.get("messages") if route == "chat" else body.get("prompt")):
             out = {"model": name, "created_at": now_rfc3339(), "done": True, "done_reason": "load"}
             out.update({"message": {"role": "assistant", "content": ""}} if route == "chat" else {"response": ""})
             return JSONResponse(out)
