@@ -21,7 +21,7 @@ export CCACHE_BASEDIR ?= $(CURDIR)
 # the build tools (cmake, ninja, ccache) come from the venv
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup chat test test-fast fuzz test-asan bench-peer peer-server clean distclean
+.PHONY: setup chat test test-fast fuzz test-asan bench-peer peer-server browser browser-try clean distclean
 
 setup: $(VENV)/.stamp-page-local $(VENV)/.stamp-model
 
@@ -85,7 +85,7 @@ TEST_WORKERS ?= $(JOBS)
 PYTEST := PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q \
           $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
-test: setup
+test: setup browser-try
 	$(PYTEST)
 
 test-fast: setup
@@ -141,6 +141,14 @@ $(VENV)/.stamp-browser: | $(VENV)/.stamp-venv
 	fi
 	$(BIN)/pip install -q "selenium>=4.20"
 	touch $@
+
+# `make test` installs them where it can (apt-get as root or through password-less sudo), so that the browser
+# tests run; where it cannot, it says so and those tests skip with the reason.
+browser-try:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
+	    $(MAKE) --no-print-directory browser || echo "make test: chromium could not be installed: the browser tests skip"; \
+	else echo "make test: no chromium and no apt-get as root: the browser tests skip (make browser installs them)"; fi
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) build-pip-test build-peer

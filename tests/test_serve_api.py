@@ -310,3 +310,32 @@ def test_json_strings_exclude_control_characters():
     g = schema_to_grammar({"type": "object", "properties": {"a": {"type": "string"}}})
     char = next(line for line in g.splitlines() if line.startswith("char ::="))
     assert char.startswith(r'char ::= [^"\\\x7F\x00-\x1F] |')
+
+
+# --- return_progress: the prompt's reading, streamed (llama-server's prompt_progress) --------------
+
+def test_a_streamed_request_can_follow_the_reading_of_its_prompt(http):
+    doc = " ".join(f"Crate {i} holds {i % 9 + 1} green apples." for i in range(70))  # ~700 tokens: 3 batches
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": doc + " Which crate is first?"}],
+            "max_tokens": 4, "temperature": 0, "stream": True, "return_progress": True,
+            "stream_options": {"include_usage": True}}
+    events = []
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    first_text = next(i for i, e in enumerate(events) if e["choices"] and e["choices"][0]["delta"].get("content"))
+    assert len(progress) >= 3 and all("prompt_progress" not in e for e in events[first_text:])
+    usage = next(e["usage"] for e in events if e.get("usage"))
+    assert {p["total"] for p in progress} == {usage["prompt_tokens"]}
+    done = [p["processed"] for p in progress]
+    assert done == sorted(done) and done[-1] == usage["prompt_tokens"]
+    assert all(p["cache"] == usage["prompt_tokens_details"]["cached_tokens"] for p in progress)
+    assert all(p["time_ms"] >= 0 for p in progress)
+    # not streamed: nothing to report it in (as llama-server); a bad value is named
+    assert chat(http, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, return_progress=True)["choices"]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                               "return_progress": "yes"})
+    assert r.status_code == 400 and "return_progress" in r.json()["error"]["message"]

@@ -46,13 +46,13 @@ def _free_port() -> int:
 
 
 class StockServer:
-    """llama-server in a child process on a free loopback port, one slot, no web UI, no warm-up."""
+    """llama-server in a child process on a free loopback port, one slot, no web UI."""
 
     def __init__(self, bin_dir: Path, model: Path, n_ctx: int, threads: int, flash_attn: str):
         self.port = _free_port()
         cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads), "-fa", flash_attn, "-np", "1",
-               "--no-webui", "--no-warmup", "--no-cache-prompt"]
+               "--no-webui", "--no-cache-prompt"]  # llama.cpp's warm-up on: page-local's bench warms up too
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)

@@ -250,6 +250,8 @@ async def _collect(turn: Turn, first: tuple) -> tuple[list[str], dict]:
             parts.append(event[1])
         elif event[0] == "done":
             return parts, event[1]
+        elif event[0] == "progress":
+            pass
         else:
             raise event[1]
         event = await turn.next()
@@ -273,6 +275,8 @@ async def _sse(turn: Turn, first: tuple, job, kind: str, rid: str, created: int,
         while True:
             if event[0] == "text":
                 yield chunk(text=event[1], logprobs=event[2] if len(event) > 2 else None)
+            elif event[0] == "progress":
+                yield data(protocol.progress_chunk(kind, rid, created, name, event[1]))
             elif event[0] == "done":
                 d = event[1]
                 yield chunk(finish=d["finish"], extension=d["page_local"])

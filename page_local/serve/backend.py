@@ -254,6 +254,11 @@ class Backend:
             tail = tokens[reuse.tokens:]
             cells = eng.cells_used()  # (what this request evicted: the cells it added that are gone after)
             eng.n_keep = n_keep
+            if job.return_progress:
+                t0, cached = time.perf_counter(), reuse.tokens
+                eng.set_progress(lambda done, total: emit(("progress", {
+                    "total": cached + total, "cache": cached, "processed": cached + done,
+                    "time_ms": round((time.perf_counter() - t0) * 1e3, 1)})))
             stream = eng.stream(tail, max_tokens=job.max_tokens, sampling=job.sampling(), add_special=False)
             scanner = StopScanner(job.stop)
             lp = LogprobTracker(eng.model, stream, job.logprobs)
@@ -317,6 +322,7 @@ class Backend:
         finally:
             slot.cancel = None
             eng.set_cancel(None)
+            eng.set_progress(None)
             try:
                 self._restore(eng, saved)
                 if finished:

@@ -20,7 +20,8 @@ from page_local.serve.protocol import bad
 # read by both completion routes
 COMMON = ("model", "max_tokens", "n_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
           "stream_options", "repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n",
-          "logit_bias", "response_format", "json_schema", "grammar", "n", "page_local", "cache_prompt")
+          "logit_bias", "response_format", "json_schema", "grammar", "n", "page_local", "cache_prompt",
+          "return_progress")
 HONOURED = {"chat": frozenset(COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                         "tool_choice", "function_call")),
             "text": frozenset(COMMON + ("prompt",))}

@@ -75,6 +75,7 @@ class Job:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    return_progress: bool = False  # llama-server's: a streamed request also gets prompt_progress chunks
     min_p: float = 0.0
     repeat_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -303,6 +304,10 @@ def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
     if stream is not None and not isinstance(stream, bool):
         raise bad(f"stream must be true or false, got {stream!r}", "stream")
     job.stream = bool(stream)
+    progress = body.get("return_progress", False)
+    if progress is not None and not isinstance(progress, bool):
+        raise bad(f"return_progress must be true or false, got {progress!r}", "return_progress")
+    job.return_progress = bool(progress) and job.stream  # as llama-server: progress exists only in a stream
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
@@ -419,6 +424,14 @@ def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None
     if extension is not None:
         out["page_local"] = extension
     return out
+
+
+def progress_chunk(kind: str, rid: str, created: int, model: str, progress: dict) -> dict:
+    """A chunk of the prompt's reading (return_progress), in llama-server's shape: no choices, and
+    prompt_progress {total, cache, processed, time_ms} (tokens of the prompt; cache: those reused)."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "prompt_progress": progress}
 
 
 def now() -> int:
