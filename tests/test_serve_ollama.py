@@ -35,6 +35,7 @@ pytest.importorskip("uvicorn", reason="the [serve] extra is not installed")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from page_local.serve.bench import free_port  # noqa: E402
+from tests.test_serve import stop_server as stop  # noqa: E402
 
 N_CTX = 2048
 SERVER_ARGS = ["--n-ctx", str(N_CTX), "--threads", "2", "--parallel", "1", "--queue", "2", "--gate", "never",
@@ -66,16 +67,6 @@ def start(model_path) -> tuple[subprocess.Popen, int]:
             stop(proc)
             raise RuntimeError("the server did not become ready")
         time.sleep(0.05)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from page_local.serve import held
+from tests.test_serve import stop_server
 
 OUT = Path(__file__).parent / "output"
 DOCS_PNG = Path(__file__).parent.parent / "docs" / "web-ui.png"
@@ -121,12 +122,7 @@ def server(smollm2_path):
             time.sleep(0.05)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def test_the_page_is_served_without_a_key_the_api_is_not(server):
