@@ -90,7 +90,7 @@ def stock(smollm2_path, closed_engine):
     native.llama_cpp()  # llama_cpp must bind page-local's patched library, never another one
     import llama_cpp
 
-    # The engine runs flash_attn "auto", page-local's choice (engine/attention.py: off on the CPU until tuned);
+    # The engine runs flash_attn "auto", page-local's choice (engine/attention.py: on unless tuned otherwise);
     # stock runs the path it chose (flash attention on and off round differently, so greedy tokens can differ
     # between the paths). Both use an f16 KV cache and n_batch = n_ubatch = 512.
     assert closed_engine.attention.cache_type == "f16"

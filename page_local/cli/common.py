@@ -225,8 +225,8 @@ def attention_options(f):
     return click.option(
         "--flash-attn", "flash_attn", type=click.Choice(FLASH_ATTN), default=None, expose_value=False,
         callback=_env_option(FLASH_ENV),
-        help="The attention path. auto: what `page-local tune` measured on this machine, else off on the CPU "
-             "(llama.cpp's flash-attention decode is slower there) and on for a GPU. Default: "
+        help="The attention path. auto: what `page-local tune` measured on this machine, else on (on the CPU "
+             "with page-local's decode kernel, faster than the plain path where measured). Default: "
              "$PAGE_LOCAL_FLASH_ATTN, else auto.")(f)
 
 
