@@ -130,8 +130,7 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
                     os.environ["PAGE_LOCAL_FA_KERNEL"] = before
             source = "page-local's library with llama.cpp's attention kernels (make peer-server for stock llama.cpp)"
         else:
-            peer = stock.measure(bin_dir, Path(model_path), prompt, n_ctx, new_tokens, repeats, threads)
-            paths = peer["paths"]
+            paths = stock.measure(bin_dir, Path(model_path), prompt, n_ctx, new_tokens, repeats, threads)
             source = f"stock llama-server ({bin_dir})"
     theirs = {s: paths[s].pop("_tokens")[:len(mine_tokens)] for s in stock.SETTINGS}
     same = {s: theirs[s] == mine_tokens for s in stock.SETTINGS}

@@ -119,9 +119,9 @@ class StockServer:
 
 def measure(bin_dir: Path, model: Path, prompt: list[int], n_ctx: int, new_tokens: int, repeats: int,
             threads: int) -> dict:
-    """Stock llama.cpp on both flash-attention paths: per path the medians of TTFT (prompt_ms) and decode
-    tok/s over `repeats` completions. llama.cpp's "auto" (its default) resolves to on wherever the backend
-    has the flash-attention op (the CPU backend and GPUs); "best" is the faster path per figure."""
+    """Stock llama.cpp on both flash-attention paths, {"on": ..., "off": ...}: per path the medians of TTFT
+    (prompt_ms) and decode tok/s over `repeats` completions. llama.cpp's "auto" (its default) resolves to on wherever the backend
+    has the flash-attention op (the CPU backend and GPUs); the caller picks the best path per figure."""
     paths: dict[str, dict] = {}
     for setting in SETTINGS:
         with StockServer(bin_dir, model, n_ctx, threads, setting) as srv:
@@ -136,7 +136,4 @@ def measure(bin_dir: Path, model: Path, prompt: list[int], n_ctx: int, new_token
             "decode_runs": [round(r["decode_tok_s"], 2) for r in runs],
             "_tokens": runs[0]["tokens"],
         }
-    best_decode = max(SETTINGS, key=lambda s: paths[s]["decode_tok_s"])
-    best_ttft = min(SETTINGS, key=lambda s: paths[s]["ttft_s"])
-    return {"bin": str(bin_dir), "paths": paths, "default_flash_attn": "on",
-            "best_decode_flash_attn": best_decode, "best_ttft_flash_attn": best_ttft}
+    return paths
