@@ -17,3 +17,5 @@ FLASH_ATTN = ("auto", "on", "off")
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
 FLASH_ENV = "PAGE_LOCAL_FLASH_ATTN"  # what --flash-attn sets for a command
 CACHE_ENV = "PAGE_LOCAL_CACHE_TYPE"  # what --cache-type sets
+AUTOTUNE_ENV = "PAGE_LOCAL_AUTOTUNE"  # first-use attention tuning: on (default), off, or a time box in seconds
+AUTOTUNE_S = 30.0  # the first-use tuning's time box

@@ -12,6 +12,10 @@ import os
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# A user's first run on a model measures the attention paths once (engine/attention.py first_use, up to
+# 30 s); the suite's engines skip it (tests/test_attention.py runs it on purpose).
+os.environ.setdefault("PAGE_LOCAL_AUTOTUNE", "off")
+
 import numpy as np
 import pytest
 from click.testing import CliRunner

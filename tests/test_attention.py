@@ -158,6 +158,32 @@ def test_tune_measures_stores_and_auto_uses_it(cli):
     assert untuned["attention"]["source"] == "default" and untuned["attention"]["flash_attn"] == "on"
 
 
+def test_first_use_tuning_is_measured_once_in_its_time_box_and_then_reused(cli, monkeypatch):
+    # the suite runs with $PAGE_LOCAL_AUTOTUNE=off (conftest); a user's first run measures, in a box of 8 s here
+    monkeypatch.setenv("PAGE_LOCAL_AUTOTUNE", "8")
+    first = cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "1024", "--json")
+    assert first.exit_code == 0, first.output
+    a = json.loads(first.stdout)["attention"]
+    assert a["source"] == "tuned" and "first use" in a["why"], a
+    assert "measuring this machine's attention paths" in first.stderr
+    shown = json.loads(cli("tune", "--show", "--n-ctx", "1024", "--json").stdout)
+    lengths = [p[0] for p in shown["points"]["on"]]
+    assert shown["tuned"] and lengths == [p[0] for p in shown["points"]["off"]]
+    assert lengths == list(attention.TUNE_LENGTHS[:len(lengths)]) and lengths  # a prefix: the box stops early
+    again = cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "1024", "--json")
+    b = json.loads(again.stdout)["attention"]
+    assert b["source"] == "tuned" and "first use" not in b["why"] and b["flash_attn"] == a["flash_attn"]
+    assert "measuring" not in again.stderr
+    assert json.loads(cli("tune", "--show", "--n-ctx", "1024", "--json").stdout)["created"] == shown["created"]
+    monkeypatch.setenv("PAGE_LOCAL_AUTOTUNE", "soon")
+    one_line_error(cli("run", "--prompt", "x", "--max-tokens", "1"), 2, "PAGE_LOCAL_AUTOTUNE", "'soon'")
+
+
+def test_the_time_box_stops_before_a_length_it_cannot_afford(smollm2):
+    points = attention.measure(smollm2, 1, (64, 128, 256), repeats=1, budget_s=1e-3)
+    assert [p[0] for p in points["on"]] == [64] == [p[0] for p in points["off"]]  # the first length always
+
+
 def test_bad_attention_options_are_one_clear_line(cli):
     one_line_error(cli("run", "--prompt", "x", "--flash-attn", "maybe"), 2, "--flash-attn", "'maybe'")
     one_line_error(cli("run", "--prompt", "x", "--cache-type", "q5_1"), 2, "--cache-type", "'q5_1'")

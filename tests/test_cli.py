@@ -196,7 +196,8 @@ BENCHES = {
              lambda r: len(r["per_turn"]) == 3 and r["refusals"] == 0 and r["full_fits_turns"] == 3
              and r["conversation_tokens"] > 256 and r["first_wall_turn"] is not None
              and all(t["page_local"]["cells"] < 256 < r["full_n_ctx"] for t in r["per_turn"])
-             and r["ttft_ratio"] > 0 and r["tok_s_ratio"] > 0),
+             and r["ttft_ratio"] > 0 and r["tok_s_ratio"] > 0
+             and r["stock_source"] is None and "stock" not in r["per_turn"][0]),  # tests set no stock build
 }
 SLOW = {"peer": pytest.mark.slow, "memory": pytest.mark.slow}
 
@@ -230,6 +231,21 @@ def test_bench_decode_against_stock_llama_server(cli):
     assert all(p["ttft_s"] > 0 and p["decode_tok_s"] > 0 for p in r["stock_paths"].values())
     # the full cache on page-local's path (on) gives stock's greedy tokens on a clear prompt
     assert r["same_full_tokens_as_stock"]["on"], r
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / "build-peer" / "bin" / "llama-server").is_file(),
+                    reason="stock llama-server is not built: `make peer-server` (not part of `make test`)")
+def test_bench_chat_against_stock_llama_server(cli):
+    r = json.loads(cli("bench", "chat", "--turns", "3", "--n-ctx", "256", "--outgrow", "2", "--gen", "4",
+                       "--threads", "1", "--json").stdout)
+    assert r["stock_source"].startswith("stock llama-server")
+    for t in r["per_turn"]:
+        assert set(t["stock"]) == {"on", "off"} and all(s["ttft_s"] > 0 and s["tok_s"] > 0 for s in t["stock"].values())
+        assert t["ttft_vs_stock_best"] > 0 and t["tok_s_vs_stock_best"] > 0
+    # stock reuses the conversation it holds: from the second turn it reads the new message, not the whole chat
+    reads = [t["stock"]["on"]["prompt_n"] for t in r["per_turn"]]
+    assert reads[2] < reads[0] + reads[1], reads
+    assert r["tok_s_vs_stock_best"] > 0 and r["stock_best_flash_attn"] in ("on", "off")
 
 
 def test_bench_bad_input(cli):

@@ -8,6 +8,15 @@ later turns are page-local's alone). Every turn is sent to both chats, one after
 order that alternates from turn to turn and from repeat to repeat; per turn the medians over the
 repeats, and the ratios page-local / full (TTFT: below 1 is faster; tok/s: above 1 is faster).
 
+Stock llama.cpp beside them, when its llama-server is built (`make peer-server`, bench/stock.py): the
+same messages sent as a chat app sends them, the whole conversation each turn to /v1/chat/completions
+with the prefix the slot holds reused (cache_prompt), in a context that holds the whole chat (as the
+full cache's), on each flash-attention path; per turn the server's own prompt_ms and decode tok/s.
+Stock's default is flash attention on ("auto"); its best is the faster path per figure, over the whole
+chat. page-local against it is "x as fast" (stock TTFT / page-local's, page-local tok/s / stock's:
+above 1, page-local is faster). Each repeat's first turn is read with cache_prompt off, so a repeat
+never reuses the previous one's conversation.
+
 Each message is a generated prose document (tasks.synthetic's "prose") and a request to summarise
 it, sized so that the chat's messages add up to `outgrow` x n_ctx tokens; answers are greedy, at most
 `gen` tokens. Run it alone on the machine (bench/speed.py says why).
@@ -51,16 +60,45 @@ def _med(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def _stock_chat(bin_dir, model_path, messages: list[str], n_ctx: int, gen: int, repeats: int,
+                threads: int) -> dict:
+    """Stock llama-server on each flash-attention path: per path, per turn, the medians over the repeats of
+    TTFT (prompt_ms) and decode tok/s, and the tokens it read."""
+    from pathlib import Path
+
+    from page_local.bench import stock
+
+    out = {}
+    for setting in stock.SETTINGS:
+        turns: list[list[dict]] = [[] for _ in messages]
+        with stock.StockServer(bin_dir, Path(model_path), n_ctx, threads, setting, cache_prompt=True) as srv:
+            for _ in range(repeats):
+                conv: list[dict] = []
+                for k, message in enumerate(messages):
+                    conv.append({"role": "user", "content": message})
+                    r = srv.chat(conv, gen, cache_prompt=k > 0)
+                    conv.append({"role": "assistant", "content": r["content"]})
+                    turns[k].append(r)
+        out[setting] = [dict(ttft_s=round(statistics.median(r["prompt_ms"] for r in t) / 1e3, 4),
+                             tok_s=round(statistics.median(r["decode_tok_s"] for r in t), 2),
+                             prompt_n=t[0]["prompt_n"], gen_tokens=t[0]["gen_tokens"]) for t in turns]
+    return out
+
+
 def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 3.0, gen: int = 32,
                repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
-               budget: float | int = defaults.CHAT_BUDGET) -> dict:
-    """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache."""
+               budget: float | int = defaults.CHAT_BUDGET, peer_bin=None) -> dict:
+    """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache, and
+    stock llama-server when built (peer_bin, else bench/stock.find_bin's default)."""
+    from page_local.bench import stock
+
     for name, v, low in (("turns", turns, 2), ("n_ctx", n_ctx, 128), ("gen", gen, 1), ("repeats", repeats, 1),
                          ("threads", threads, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= {low}, got {v!r}")
     if not outgrow > 1:
         raise ValueError(f"--outgrow must be above 1 (the chat outgrows n_ctx), got {outgrow!r}")
+    bin_dir = stock.find_bin(peer_bin)
     runs: dict[str, list[list[dict]]] = {"page_local": [[] for _ in range(turns)], "full": [[] for _ in range(turns)]}
     refusals = 0
     with Engine(model_path, n_ctx=n_ctx, budget=budget, threads=threads, n_gpu_layers=n_gpu_layers) as pl:
@@ -85,6 +123,7 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
                                 fits = False  # the whole chat no longer fits the trained context
                             else:
                                 refusals += 1
+    stock_runs = _stock_chat(bin_dir, model_path, messages, full_ctx, gen, repeats, threads) if bin_dir else None
     per_turn, wall = [], None
     for k in range(turns):
         p, f = runs["page_local"][k], runs["full"][k]
@@ -102,7 +141,23 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
             row["ttft_ratio"] = round(row["page_local"]["ttft_s"] / row["full"]["ttft_s"], 4)
             row["tok_s_ratio"] = round(row["page_local"]["tok_s"] / row["full"]["tok_s"], 4) \
                 if row["full"]["tok_s"] > 0 else None
+        if stock_runs is not None:
+            row["stock"] = {s: stock_runs[s][k] for s in stock.SETTINGS}
         per_turn.append(row)
+
+    best = None
+    if stock_runs is not None:  # stock's best path per figure, over the whole chat (medians over its turns)
+        best = {"ttft": min(stock.SETTINGS, key=lambda s: statistics.median(t["ttft_s"] for t in stock_runs[s])),
+                "tok_s": max(stock.SETTINGS, key=lambda s: statistics.median(t["tok_s"] for t in stock_runs[s]))}
+        for row in per_turn:
+            p = row.get("page_local")
+            if not p:
+                continue
+            st = row["stock"]
+            row["ttft_vs_stock_best"] = round(st[best["ttft"]]["ttft_s"] / p["ttft_s"], 4)
+            row["tok_s_vs_stock_best"] = round(p["tok_s"] / st[best["tok_s"]]["tok_s"], 4)
+            row["ttft_vs_stock_default"] = round(st["on"]["ttft_s"] / p["ttft_s"], 4)
+            row["tok_s_vs_stock_default"] = round(p["tok_s"] / st["on"]["tok_s"], 4)
 
     def ratio(key: str, past_wall: bool) -> float | None:
         xs = [t[key] for t in per_turn if t.get(key) is not None and (not past_wall or (wall and t["turn"] >= wall))]
@@ -116,4 +171,13 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
         "ttft_ratio": ratio("ttft_ratio", False), "tok_s_ratio": ratio("tok_s_ratio", False),
         "ttft_ratio_past_wall": ratio("ttft_ratio", True), "tok_s_ratio_past_wall": ratio("tok_s_ratio", True),
         "per_turn": per_turn, "device": device,
+        "stock_source": f"stock llama-server ({bin_dir})" if bin_dir else None,
+        **({} if best is None else {
+            "stock_best_ttft_flash_attn": best["ttft"], "stock_best_flash_attn": best["tok_s"],
+            "ttft_vs_stock_best": ratio("ttft_vs_stock_best", False),
+            "tok_s_vs_stock_best": ratio("tok_s_vs_stock_best", False),
+            "ttft_vs_stock_default": ratio("ttft_vs_stock_default", False),
+            "tok_s_vs_stock_default": ratio("tok_s_vs_stock_default", False),
+            "ttft_vs_stock_best_past_wall": ratio("ttft_vs_stock_best", True),
+            "tok_s_vs_stock_best_past_wall": ratio("tok_s_vs_stock_best", True)}),
     }

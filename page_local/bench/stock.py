@@ -48,11 +48,13 @@ def _free_port() -> int:
 class StockServer:
     """llama-server in a child process on a free loopback port, one slot, no web UI."""
 
-    def __init__(self, bin_dir: Path, model: Path, n_ctx: int, threads: int, flash_attn: str):
+    def __init__(self, bin_dir: Path, model: Path, n_ctx: int, threads: int, flash_attn: str,
+                 cache_prompt: bool = False):
         self.port = _free_port()
         cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads), "-fa", flash_attn, "-np", "1",
-               "--no-webui", "--no-cache-prompt"]  # llama.cpp's warm-up on: page-local's bench warms up too
+               "--no-webui"] + ([] if cache_prompt else ["--no-cache-prompt"])
+        # (llama.cpp's warm-up stays on: page-local's benches warm up too)
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
@@ -95,6 +97,19 @@ class StockServer:
         t = out["timings"]
         return {"prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"], "decode_tok_s": t["predicted_per_second"],
                 "tokens": out.get("tokens", [])}
+
+    def chat(self, messages: list[dict], max_tokens: int, cache_prompt: bool = True) -> dict:
+        """One greedy chat turn through /v1/chat/completions (the GGUF's own chat template), as a chat app
+        sends it: the whole conversation, the slot reusing the prefix it holds when cache_prompt. The server's
+        timings: prompt_n (tokens read), prompt_ms (the time to first token, less HTTP), decode tok/s."""
+        status, out = self._request("POST", "/v1/chat/completions", {
+            "messages": messages, "max_tokens": max_tokens, "temperature": 0, "top_k": 1,
+            "cache_prompt": cache_prompt})
+        if status != 200:
+            raise BenchError(f"stock llama-server: HTTP {status}: {str(out)[:300]}")
+        t = out["timings"]
+        return {"prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"], "decode_tok_s": t["predicted_per_second"],
+                "gen_tokens": t["predicted_n"], "content": out["choices"][0]["message"]["content"]}
 
     def stop(self) -> None:
         if self.proc.poll() is None:

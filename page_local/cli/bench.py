@@ -239,12 +239,16 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--budget", default=str(defaults.CHAT_BUDGET), show_default=True, type=BudgetType(),
               help="page-local's speed budget (1.0, chat's default: room on demand only).")
+@click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
+              help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin, which `make "
+                   "peer-server` builds)")
 @threads_option
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, threads, n_gpu_layers, as_json):
-    """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache."""
+def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, peer_bin, threads, n_gpu_layers, as_json):
+    """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache, and
+    vs stock llama-server (default and best flash-attention path) when it is built."""
     from page_local.bench.chat import chat_speed
 
     def describe(r: dict) -> str:
@@ -258,8 +262,25 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, threads, n_gp
         lines.append(f"median ratios (page-local / full): TTFT {r['ttft_ratio']}, tok/s {r['tok_s_ratio']}; past the "
                      f"wall (turn {r['first_wall_turn']} on): TTFT {r['ttft_ratio_past_wall']}, tok/s "
                      f"{r['tok_s_ratio_past_wall']}; {r['refusals']} refusals")
+        if r.get("stock_source"):
+            lines.append("turn  stock read  default (fa on) TTFT s  tok/s   best TTFT s  tok/s   page-local x as fast "
+                         "as best: TTFT  tok/s")
+            for t in r["per_turn"]:
+                st = t["stock"]
+                b_t, b_d = st[r["stock_best_ttft_flash_attn"]], st[r["stock_best_flash_attn"]]
+                lines.append(f"{t['turn']:>4}  {st['on']['prompt_n']:>10}  {st['on']['ttft_s']:>22.3f}  "
+                             f"{st['on']['tok_s']:>5.1f}   {b_t['ttft_s']:>11.3f}  {b_d['tok_s']:>5.1f}   "
+                             f"{t.get('ttft_vs_stock_best', 0):>26.3f}  {t.get('tok_s_vs_stock_best', 0):>5.3f}")
+            lines.append(f"{r['stock_source']}; best: TTFT with flash attention {r['stock_best_ttft_flash_attn']}, "
+                         f"decode with {r['stock_best_flash_attn']}. page-local x as fast as stock best (medians): "
+                         f"TTFT {r['ttft_vs_stock_best']}, tok/s {r['tok_s_vs_stock_best']}; past the wall: TTFT "
+                         f"{r['ttft_vs_stock_best_past_wall']}, tok/s {r['tok_s_vs_stock_best_past_wall']}; vs stock "
+                         f"default: TTFT {r['ttft_vs_stock_default']}, tok/s {r['tok_s_vs_stock_default']}")
+        else:
+            lines.append("stock llama.cpp: not built (`make peer-server`), not compared")
         return "\n".join(lines)
 
     path = resolve_model(model)
     _bench(as_json, lambda: chat_speed(path, turns=turns, n_ctx=n_ctx, outgrow=outgrow, gen=gen, repeats=repeats,
-                                       threads=threads, n_gpu_layers=n_gpu_layers, budget=budget), describe)
+                                       threads=threads, n_gpu_layers=n_gpu_layers, budget=budget,
+                                       peer_bin=peer_bin), describe)

@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 
 from page_local.cli.common import (chat_engine_options, ladder_option, model_option, one_line_errors, resolve_model,
-                                   show_llama_log)
+                                   show_llama_log, tuning_progress)
 from page_local.cli.repl import MAX_TOKENS, Repl, run_loop, stdin_reader, terminal_reader
 
 
@@ -28,10 +28,10 @@ def chat_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, thread
 
     from page_local.engine import Engine
 
-    with one_line_errors():
+    with one_line_errors(), tuning_progress(Console(stderr=True)) as tune_progress:
         engine = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads,
                         verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, on_full=on_full, ladder=ladder,
-                        allow_long_context=allow_long_context)
+                        allow_long_context=allow_long_context, tune_progress=tune_progress)
     with engine:
         with one_line_errors():  # a model without a usable chat template
             repl = Repl(engine, Console(), system=system, max_tokens=max_tokens, temperature=temperature)

@@ -4,6 +4,7 @@ one-line errors (exit codes: 0 ok, 2 usage, 1 runtime error)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -331,6 +332,29 @@ def progress(console, *columns):
 
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *columns,
                     console=console, transient=True, disable=not console.is_terminal)
+
+
+@contextlib.contextmanager
+def tuning_progress(console):
+    """A callable for Engine(tune_progress=...): the first-use attention tuning's progress bar, started on
+    its first report (nothing is shown when a tuning is stored), gone when the block ends."""
+    state = {}
+
+    def report(text: str, fraction: float) -> None:
+        if "bar" not in state:
+            state["bar"] = progress(console)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task("", total=1.0)
+            console.print("measuring this machine's attention paths, once for this model and thread count "
+                          "(at most 30 s; `page-local tune` redoes it, $PAGE_LOCAL_AUTOTUNE=off skips it)",
+                          style="dim")
+        state["bar"].update(state["task"], description=f"tuning: {text}", completed=fraction)
+
+    try:
+        yield report
+    finally:
+        if "bar" in state:
+            state["bar"].stop()
 
 
 class _EchoHandler(logging.Handler):

@@ -10,6 +10,7 @@ import click
 from page_local import defaults
 from page_local.engine import narrate
 from page_local.cli.common import (
+    console,
     engine_options,
     ladder_option,
     model_option,
@@ -17,6 +18,7 @@ from page_local.cli.common import (
     prompt_options,
     read_prompt,
     resolve_model,
+    tuning_progress,
 )
 
 
@@ -40,9 +42,11 @@ def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on
     from page_local.native.runtime import describe_placement
 
     with one_line_errors():
-        with Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads, seed=seed,
-                    verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, on_full=on_full, ladder=ladder,
-                    allow_long_context=allow_long_context) as eng:
+        with tuning_progress(console(stderr=True)) as tune_progress:
+            eng = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads, seed=seed,
+                         verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, on_full=on_full, ladder=ladder,
+                         allow_long_context=allow_long_context, tune_progress=tune_progress)
+        with eng:
             device = eng.placement
             for warning in (eng.profile_warning, eng.attention_warning):
                 if warning:

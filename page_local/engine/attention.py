@@ -11,7 +11,11 @@ faster than the plain path, and prefill stays 1.3x faster than the plain path. S
   2. a quantized V cache (q8_0, q4_0) needs flash attention in llama.cpp: on;
   3. a tuning measured by `page-local tune` for this model, machine, device, thread count and library
      (store/tuning.py) picks the path with the lower cost over the context (see `cost`);
-  4. else the backend's default: on (with the patched kernel on the CPU, measured above; llama.cpp's choice
+  4. with no tuning stored, one is measured now, once (first use: `first_use`), in a time box of
+     AUTOTUNE_S (30 s): both paths at 256, 1024 and 2048 cells, stopping before a length that would pass
+     the box; longer contexts are extrapolated (cost_curve). $PAGE_LOCAL_AUTOTUNE=off skips it (then 5.),
+     a number of seconds sets the box;
+  5. else the backend's default: on (with the patched kernel on the CPU, measured above; llama.cpp's choice
      for GPUs).
 
 `cost` weighs decode, as chat and serve are decode-dominated: a conversation that grows from 0 to n_ctx
@@ -28,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from page_local.defaults import CACHE_ENV, CACHE_TYPES, FLASH_ATTN, FLASH_ENV
+from page_local.defaults import AUTOTUNE_ENV, AUTOTUNE_S, CACHE_ENV, CACHE_TYPES, FLASH_ATTN, FLASH_ENV
 
 TIE = 0.03  # mean costs within 3 % are a tie: the path that reads prompts faster wins it
 TUNE_LENGTHS = (256, 1024, 2048)  # cells at which `page-local tune` times a decode step
@@ -153,11 +157,15 @@ def from_environment(flash_attn: str, cache_type: str | None) -> tuple[str, str]
 # --- measuring (drives a context: the engine layer) -------------------------------------------
 
 def measure(model, threads: int, lengths=TUNE_LENGTHS, repeats: int = 5,
-            progress: Callable[[str, float], None] | None = None) -> dict:
-    """Time both paths on `model`: for each of on/off, prefill random tokens up to each length of
-    `lengths` in one growing sequence, timing each chunk (ms per token) and then `repeats` one-token
-    decodes at that length (each removed again; the first is a warm-up and dropped). Returns
-    {"on": [(T, prefill_ms_per_token, decode_ms), ...], "off": [...]}. progress(text, fraction)."""
+            progress: Callable[[str, float], None] | None = None, budget_s: float | None = None) -> dict:
+    """Time both paths on `model`: one growing sequence of random tokens per path, and at each length of
+    `lengths` (both paths in turn, so that a drifting machine affects both alike) the prefill of the chunk
+    that reached it (ms per token) and then `repeats` one-token decodes at that length (each removed again;
+    the first is a warm-up and dropped). budget_s: stop before a length whose predicted time (the last
+    length's, scaled by the tokens it adds) would pass it; the lengths reached are returned (at least the
+    first). Returns {"on": [(T, prefill_ms_per_token, decode_ms), ...], "off": [...]}. progress(text, fraction)."""
+    from contextlib import ExitStack
+
     from page_local.native.runtime import Context, ContextConfig
 
     lengths = sorted({int(n) for n in lengths})
@@ -168,18 +176,23 @@ def measure(model, threads: int, lengths=TUNE_LENGTHS, repeats: int = 5,
     rng = np.random.default_rng(0)
     tokens = rng.integers(100, min(4000, max(200, model.n_vocab - 1)), size=lengths[-1] + repeats + 1).tolist()
     total = 2 * (lengths[-1] + len(lengths) * repeats * 8)  # rough work units for the progress fraction
-    done, out = 0, {}
-    for setting in ("on", "off"):
-        pts = []
-        with Context(model, ContextConfig(n_ctx=lengths[-1] + repeats + 16, threads=threads, flash_attn=setting,
-                                          n_ubatch=512, n_batch=512)) as ctx:
-            pos = 0
-            for n in lengths:
+    done, out = 0, {"on": [], "off": []}
+    t_start, prev, pos = time.perf_counter(), 0, 0
+    with ExitStack() as stack:
+        ctxs = {s: stack.enter_context(Context(model, ContextConfig(n_ctx=lengths[-1] + repeats + 16, threads=threads,
+                                                                     flash_attn=s, n_ubatch=512, n_batch=512)))
+                for s in ("on", "off")}
+        for n in lengths:
+            if budget_s is not None and out["on"]:
+                spent = time.perf_counter() - t_start
+                if spent + last * (n - pos) / max(1, pos - prev) * 1.2 > budget_s:
+                    break  # the next length would pass the time box: extrapolate from those measured
+            t_len = time.perf_counter()
+            for setting, ctx in ctxs.items():
                 t0 = time.perf_counter()
                 ctx.decode(tokens[pos:n], pos, 0, logits="last")
                 pre = (time.perf_counter() - t0) * 1000 / (n - pos)
                 done += n - pos
-                pos = n
                 steps = []
                 for i in range(repeats + 1):
                     t0 = time.perf_counter()
@@ -187,11 +200,42 @@ def measure(model, threads: int, lengths=TUNE_LENGTHS, repeats: int = 5,
                     steps.append((time.perf_counter() - t0) * 1000)
                     ctx.seq_rm(0, n, -1)
                     done += 8
-                pts.append((n, pre, float(np.median(steps[1:]))))
+                out[setting].append((n, pre, float(np.median(steps[1:]))))
                 if progress is not None:
-                    progress(f"flash attention {setting}: {n} cells, decode {pts[-1][2]:.1f} ms", done / total)
-        out[setting] = pts
+                    progress(f"flash attention {setting}: {n} cells, decode {out[setting][-1][2]:.1f} ms",
+                             min(1.0, done / total))
+            last, prev, pos = time.perf_counter() - t_len, pos, n
     return out
+
+
+def autotune_budget() -> float | None:
+    """The first-use tuning's time box in seconds from $PAGE_LOCAL_AUTOTUNE (on: AUTOTUNE_S; off: None),
+    ValueError for anything else."""
+    raw = os.environ.get(AUTOTUNE_ENV, "on").strip().lower()
+    if raw in ("on", "1", "true", "yes", ""):
+        return AUTOTUNE_S
+    if raw in ("off", "0", "false", "no"):
+        return None
+    try:
+        box = float(raw)
+    except ValueError:
+        box = -1.0
+    if not box > 0 or box == float("inf"):
+        raise ValueError(f"${AUTOTUNE_ENV} must be on, off or a number of seconds above 0; got {raw!r}")
+    return box
+
+
+def first_use(model, key, threads: int, budget_s: float,
+              progress: Callable[[str, float], None] | None = None):
+    """Measure and store the tuning of `key` now (the first use of this model, machine, device, thread count
+    and library), within budget_s seconds. Returns the Tuning."""
+    from page_local.store.tuning import Tuning, now, save_tuning
+
+    t0 = time.perf_counter()
+    points = measure(model, threads, TUNE_LENGTHS, repeats=3, progress=progress, budget_s=budget_s)
+    tuning = Tuning(key, points, now(), time.perf_counter() - t0)
+    save_tuning(tuning)
+    return tuning
 
 
 # --- the engine's entry point ----------------------------------------------------------------
@@ -207,14 +251,28 @@ def tuning_key(model_path, model, threads: int):
 
 
 def choose(model_path, model, threads: int, n_ctx: int, flash_attn: str = "auto",
-           cache_type: str | None = None) -> tuple[Attention, str | None]:
+           cache_type: str | None = None, autotune: bool = True,
+           progress: Callable[[str, float], None] | None = None) -> tuple[Attention, str | None]:
     """(Attention, warning or None) for a context on `model`: the environment, then the rule of `resolve`
-    with the stored tuning (an unusable tuning file is ignored, and the warning says so)."""
+    with the stored tuning (an unusable tuning file is ignored, and the warning says so); with none stored
+    and autotune (and $PAGE_LOCAL_AUTOTUNE not off), the first-use tuning is measured now (progress(text,
+    fraction) while it runs). A first-use tuning that fails leaves the backend's default, with a warning."""
     from page_local.store.tuning import read_tuning
 
     fa, ct = from_environment(flash_attn, cache_type)
-    tuned, warning = None, None
+    box = autotune_budget() if autotune else None
+    tuned, warning, first = None, None, False
     if fa == "auto" and ct == "f16":
-        status = read_tuning(tuning_key(model_path, model, threads))
+        key = tuning_key(model_path, model, threads)
+        status = read_tuning(key)
         tuned, warning = (status.tuning.points if status.tuning else None), status.warning
-    return resolve(fa, ct, str(model.layers_device), n_ctx, tuned), warning
+        if tuned is None and box is not None:
+            try:
+                tuned, first = first_use(model, key, threads, box, progress).points, True
+            except (OSError, RuntimeError, ValueError) as e:  # a context that cannot be made, an unwritable home
+                warning = f"the first-use attention tuning failed ({' '.join(str(e).split())}); `page-local tune` retries"
+    choice = resolve(fa, ct, str(model.layers_device), n_ctx, tuned)
+    if first:
+        choice = Attention(choice.flash_attn, choice.cache_type, choice.source,
+                           choice.why.replace("tuned:", "tuned now (first use on this machine):", 1))
+    return choice, warning

@@ -91,7 +91,8 @@ class Engine(ContextPolicy):
                  verify_tokens: int = VERIFY_CAP, verify_threshold: float | None = None,
                  verify_rule: str = VERIFY_RULE, compact: bool = True,
                  n_gpu_layers: int | str | None = None, allow_long_context: bool = False,
-                 on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None):
+                 on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
+                 tune_progress=None):
         path = Path(model) if model is not None else models.default_model_path()
         self.set_verify(verify_tokens, verify_threshold, verify_rule)
         self.compact = bool(compact)
@@ -112,10 +113,13 @@ class Engine(ContextPolicy):
         # flash_attn: auto (page-local's choice: engine/attention.py) | on | off; type_kv: f16 | q8_0 | q4_0
         # (None: $PAGE_LOCAL_CACHE_TYPE, else f16). Both are checked before the model is loaded.
         attention.resolve(*attention.from_environment(flash_attn, type_kv), "CPU", n_ctx, None)
+        # autotune: with no tuning stored for flash_attn auto, measure one now, once (attention.first_use; at most
+        # $PAGE_LOCAL_AUTOTUNE seconds, default 30; off skips it); tune_progress(text, fraction) while it runs
+        attention.autotune_budget()
         self.model = Model(path, n_gpu_layers=n_gpu_layers, rpc=rpc)
         try:
             self.attention, self.attention_warning = attention.choose(path, self.model, threads, n_ctx, flash_attn,
-                                                                      type_kv)
+                                                                      type_kv, autotune, tune_progress)
             self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads,
                                                          flash_attn=self.attention.flash_attn,
                                                          type_kv=self.attention.cache_type, n_seq_max=1 + MAX_FUTURES,
