@@ -21,7 +21,7 @@ export CCACHE_BASEDIR ?= $(CURDIR)
 # the build tools (cmake, ninja, ccache) come from the venv
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup chat test test-fast fuzz test-asan bench-peer peer-server browser browser-try clean distclean
+.PHONY: setup chat test test-fast test-durations fuzz test-asan bench-peer peer-server browser browser-try clean distclean
 
 setup: $(VENV)/.stamp-page-local $(VENV)/.stamp-model
 
@@ -88,8 +88,15 @@ PYTEST := PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q \
 test: setup browser-try
 	$(PYTEST)
 
+# the quick loop: what took 5 s or more in the last recorded run is marked slow (tests/durations.py) and left out
 test-fast: setup
 	$(PYTEST) -m "not slow"
+
+# tests/durations.json: each test's seconds from a full run; xdist hands out the heaviest test files first,
+# and test-fast leaves out the slow ones. Rewrite it when long tests are added or made shorter.
+test-durations: setup browser-try
+	$(PYTEST) -p no:cacheprovider --durations=0 --durations-min=0 | tee $(BUILD)/test-durations.log
+	$(BIN)/python tests/durations.py $(BUILD)/test-durations.log
 
 # >= 1000 hypothesis examples of random cache operations on a tiny model (a fast subset runs in `make test`)
 fuzz: setup

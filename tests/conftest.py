@@ -86,3 +86,16 @@ def one_line_error(res, code: int, *needles: str) -> str:
     for n in needles:
         assert n in last, last
     return last
+
+
+# --- recorded durations (tests/durations.py): heaviest test files first under xdist, `slow` from the record ---
+import durations as _durations  # noqa: E402  (tests/ is on sys.path: pytest's rootdir-less conftest import)
+
+
+def pytest_collection_modifyitems(config, items):
+    _durations.mark_slow(items)
+
+
+if _durations.HAVE_XDIST:  # a hook pytest does not know (no pytest-xdist) would be refused
+    def pytest_xdist_make_scheduler(config, log):
+        return _durations.make_scheduler(config, log)
