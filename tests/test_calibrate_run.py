@@ -5,8 +5,9 @@ Before calibration `run` uses the raw rule (z null); `calibrate` stores mu and s
 std, ddof 0, of its D values); afterwards `run` on the same prompt measures the same D and reports
 rule "calibrated" with z = (D - mu)/sigma and open iff z >= the z threshold.
 
-The built-in pilot's prompts are 1-2K tokens, so calibrating on 12 of them is 12 long prefills on
-one thread: about 75 s on a loaded 2-core machine.
+The built-in pilot's prompts are 1-2K tokens (only its 1024-token ones fit n_ctx 2048), so calibrating
+is one long prefill per prompt on one thread, ~25 s each on a loaded 2-core AMD EPYC: the test calibrates
+on N_PILOT = 6 of them, one full cycle of the pilot's mix of tasks (calibrate's own default is 100).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ FACTS = ("The lighthouse on Gull Island was built in 1874 by a crew of eleven ma
          "added in 1890 and replaced by a horn in 1925. The island has no trees, a small harbour on its eastern "
          "side, and a colony of puffins that nests on the northern cliffs every spring. ")
 PROMPT = FACTS + "\n\nQuestion: in which year was the lighthouse automated? Answer with the year only."
+N_PILOT = 6  # the built-in pilot cycles through 6 tasks (needle, multi-key x2, vt, fwe, prose): each once
 
 
 def command() -> list[str]:
@@ -70,12 +72,12 @@ def test_calibrate_then_run_reports_z(page_local, tmp_path):
     assert 150 <= n_tokens <= 400, n_tokens  # a ~200-token document and a question
 
     t0 = time.monotonic()
-    cal, _ = page_local("calibrate", "--n", "12", *SMALL, "--json")
-    print(f"calibrate --n 12 on the built-in pilot: {time.monotonic() - t0:.1f} s")
-    assert cal["n"] == 12 and cal["prompts"] == 12
+    cal, _ = page_local("calibrate", "--n", N_PILOT, *SMALL, "--json")
+    print(f"calibrate --n {N_PILOT} on the built-in pilot: {time.monotonic() - t0:.1f} s")
+    assert cal["n"] == N_PILOT and cal["prompts"] == N_PILOT
     assert cal["skipped_too_long"] == 0 and cal["skipped_empty"] == 0
     drops = np.asarray(cal["drops"], dtype=np.float64)
-    assert drops.shape == (12,) and np.isfinite(drops).all()
+    assert drops.shape == (N_PILOT,) and np.isfinite(drops).all()
     mu, sigma = cal["mu"], cal["sigma"]
     assert mu == pytest.approx(float(drops.mean()), abs=1e-12)
     assert sigma == pytest.approx(float(drops.std()), abs=1e-12) and sigma > 0  # numpy std, ddof 0
@@ -84,7 +86,7 @@ def test_calibrate_then_run_reports_z(page_local, tmp_path):
     profile = Path(cal["profile"])
     assert profile.parent == tmp_path / "profiles" and profile.name == f"{cal['model_id']}.json"
     stored = json.loads(profile.read_text(encoding="utf-8"))
-    assert stored["mu"] == mu and stored["sigma"] == sigma and stored["n_pilot"] == 12
+    assert stored["mu"] == mu and stored["sigma"] == sigma and stored["n_pilot"] == N_PILOT
     assert stored["model_id"] == cal["model_id"]
     # only the 1024-token prompts of the built-in pilot fit n_ctx 2048; the profile records their span
     lo, hi = cal["pilot_tokens"]

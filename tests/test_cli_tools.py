@@ -22,9 +22,10 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 
 def pilot_prompts(n: int = 6) -> list[str]:
-    """n one-line prompts of roughly 100-300 SmolLM2 tokens, different enough for sigma > 0."""
+    """n one-line prompts of roughly 100-200 SmolLM2 tokens, different enough for sigma > 0 (each is measured
+    several times on one thread: their length is most of this module's time)."""
     rng = random.Random(0)
-    return [f"Report {i}: " + " ".join(rng.choice(WORDS) for _ in range(40 + 30 * i))
+    return [f"Report {i}: " + " ".join(rng.choice(WORDS) for _ in range(40 + 15 * i))
             + ". Which word comes first in the report?" for i in range(n)]
 
 
@@ -168,7 +169,7 @@ def test_calibrate_frames_prompts_as_chat_turns_by_default(cli, smollm2_path, tm
 
 def test_calibrate_builtin_pilot_needs_room(cli, tmp_path):
     """The built-in pilot's prompts take 1024+ tokens: at n_ctx 512 the command says so (exit 2).
-    A real built-in calibration (--n 12 at n_ctx 2048) is tests/test_calibrate_run.py."""
+    A real built-in calibration (--n 6 at n_ctx 2048) is tests/test_calibrate_run.py."""
     one_line_error(cli("calibrate", "--n", 2, *SMALL), 2, "built-in pilot", "n_ctx")
     assert not (tmp_path / "home" / "profiles").exists() or not any((tmp_path / "home" / "profiles").iterdir())
 

@@ -98,10 +98,10 @@ def test_refuse_mode_keeps_the_old_hard_stop(smollm2_path):
 
 
 def test_a_document_longer_than_the_context_is_answered(smollm2_path):
-    """~2,600 tokens into 1,024 cells: prefilled in chunks with room made between them; the fact in the
+    """~1,300 tokens into 512 cells: prefilled in chunks with room made between them; the fact in the
     last part (where the question is) is answered, and the Decision says how much is still held."""
-    doc = document(72, "The secret passphrase is 7719.", 0.93)
-    with Engine(smollm2_path, n_ctx=1024, gate="verify", threads=THREADS) as eng:
+    doc = document(36, "The secret passphrase is 7719.", 0.93)
+    with Engine(smollm2_path, n_ctx=512, gate="verify", threads=THREADS) as eng:
         prompt = doc + "\nWhat is the secret passphrase? The secret passphrase is"
         n = len(eng.model.tokenize(prompt))
         assert n > 2 * eng.n_ctx

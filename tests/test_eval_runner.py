@@ -57,15 +57,22 @@ def _run(out, task, n, **kw):
 
 @pytest.fixture(scope="module")
 def tiny(smollm2_path, home, tmp_path_factory):
+    """(results file, [run_eval's results], progress calls of the first run, prompt lengths given to
+    turn.Pipeline.prefill during the first run: niah_single_1, 2 samples x N_CONFIGS configurations)."""
+    from page_local.engine import turn
+
     out = tmp_path_factory.mktemp("eval") / "tiny.jsonl"
-    calls = []
-    r1 = _run(out, "niah_single_1", 2, progress=lambda d, t: calls.append((d, t)))
+    calls, prefills = [], []
+    real = turn.Pipeline.prefill
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(turn.Pipeline, "prefill", lambda self, toks, *a, **k: prefills.append(len(toks)) or real(self, toks, *a, **k))
+        r1 = _run(out, "niah_single_1", 2, progress=lambda d, t: calls.append((d, t)))
     r2 = _run(out, "vt", 1, length=VT_LENGTH)  # vt's in-context example needs ~930 tokens on SmolLM2
-    return out, [r1, r2], calls
+    return out, [r1, r2], calls, prefills
 
 
 def test_every_sample_and_configuration_has_one_complete_row(tiny):
-    out, results, calls = tiny
+    out, results, calls, _ = tiny
     rows = read_rows(out)
     assert len(rows) == 3 * N_CONFIGS
     assert sum(r["rows_written"] for r in results) == 3 * N_CONFIGS
@@ -119,21 +126,13 @@ def test_the_samples_are_the_task_generators(tiny):
     assert sorted({(r["task"], r["index"]) for r in rows}) == [("niah_single_1", 0), ("niah_single_1", 1), ("vt", 0)]
 
 
-def test_every_configuration_of_a_sample_shares_one_prefill_and_the_engine_agrees(smollm2_path, home, tmp_path,
-                                                                                  monkeypatch):
-    """The runner prefills each sample once (turn.Pipeline.prefill is counted), whatever the number of
-    evictors, budgets and gates; and the D it records is the D Engine.measure finds on the same prompt."""
-    from page_local.engine import turn
-
-    calls = []
-    real = turn.Pipeline.prefill
-    monkeypatch.setattr(turn.Pipeline, "prefill", lambda self, toks, *a, **k: calls.append(len(toks)) or real(self, toks, *a, **k))
-    out = tmp_path / "rows.jsonl"
-    res = run_eval(smollm2_path, tasks=["niah_single_1"], n=2, length=600, budgets=[0.5, 0.25], evictors=["snapkv", "tova"],
-             gates=["always", "page", "verify"], out=out, threads=THREADS)
-    rows = read_rows(out)
-    assert len(rows) == 2 * (1 + 2 * 2 * 3) and len(calls) == 2
-    monkeypatch.setattr(turn.Pipeline, "prefill", real)
+def test_every_configuration_of_a_sample_shares_one_prefill_and_the_engine_agrees(smollm2_path, tiny):
+    """The runner prefills each sample once (turn.Pipeline.prefill is counted, in the tiny fixture's first
+    run), whatever the number of evictors, budgets and gates; and the D it records is the D Engine.measure
+    finds on the same prompt."""
+    out, (res, _), _, calls = tiny
+    rows = [r for r in read_rows(out) if r["task"] == "niah_single_1"]
+    assert len(rows) == 2 * (1 + 2 * 2 * 3) == 2 * N_CONFIGS and len(calls) == 2
     with Model(smollm2_path) as tok_model:
         prompter = ChatPrompter(tok_model)
         samples = load_samples(prompter, ["niah_single_1"], 2, 600, 42, None)

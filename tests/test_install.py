@@ -28,6 +28,14 @@ def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PAGE_LOCAL_LIB_DIR", "LLAMA_CPP_LIB_PATH", "PYTHONPATH", "PAGE_LOCAL_MODEL", "VIRTUAL_ENV")}
     env["PAGE_LOCAL_HOME"] = str(tmp / "home")
+    # the build tools of make's venv (ccache, cmake, ninja) and the Makefile's ccache settings, also when pytest
+    # is started without make (`.venv/bin/python -m pytest`): otherwise CMake finds no ccache and the build
+    # compiles llama.cpp from scratch (~6 min on 2 cores instead of seconds); what is built and installed is the same
+    tools = Path(sys.executable).parent
+    if (tools / "ccache").exists():
+        env["PATH"] = os.pathsep.join([str(tools), env.get("PATH", "")])
+        env.setdefault("CCACHE_DIR", str(Path.home() / ".cache" / "page-local" / "ccache"))
+        env.setdefault("CCACHE_BASEDIR", str(REPO))
     return env
 
 

@@ -291,6 +291,14 @@ def engine(smollm2_path):
         yield e
 
 
+@pytest.fixture(scope="module")
+def full_answer(engine):
+    """The full cache's greedy answer to NEEDLE (gate never), 12 tokens at most: greedy decoding is the same
+    token for token whatever max_tokens, so a shorter answer is a prefix of it."""
+    engine.set_gate("never")
+    return engine.generate(NEEDLE, max_tokens=12).tokens
+
+
 def test_engine_evicts_with_lorekv_and_keeps_no_future(engine):
     engine.set_gate("always")
     engine.set_budget(0.25)
@@ -301,11 +309,10 @@ def test_engine_evicts_with_lorekv_and_keeps_no_future(engine):
     assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))
 
 
-def test_verify_with_lorekv_streams_the_full_cache_tokens(engine):
+def test_verify_with_lorekv_streams_the_full_cache_tokens(engine, full_answer):
     """The lookahead overwrites the logits buffer; under verify the answer's first tokens must still
     come from the full cache, exactly as without any eviction."""
-    engine.set_gate("never")
-    full = engine.generate(NEEDLE, max_tokens=10).tokens
+    full = full_answer[:10]
     engine.set_gate("verify")
     engine.set_budget(0.25)
     r = engine.generate(NEEDLE, max_tokens=10)
@@ -326,11 +333,10 @@ def test_run_with_lorekv_from_the_cli(cli):
 
 # --- lorekv-answer: the full cache's answer is the one future ------------------------------------------
 
-def test_lorekv_answer_is_searched_on_the_answer_it_was_scored_by(engine):
+def test_lorekv_answer_is_searched_on_the_answer_it_was_scored_by(engine, full_answer):
     """Under search the keep sets are chosen at the check, from the answer's queries; the user reads the
     full cache's answer, nothing is left in the other sequences, and the decision says what it cost."""
-    engine.set_gate("never")
-    full = engine.generate(NEEDLE, max_tokens=12).tokens
+    full = full_answer
     engine.set_gate("search")
     engine.set_evictor("lorekv-answer")
     try:

@@ -13,8 +13,10 @@ from page_local.verify import RULES, VERIFY_CAP, VERIFY_RULE
 
 THREADS = 1
 HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+# ~600 tokens: long enough that a 40-cell budget loses the needle and a quarter keeps it (what the tests tell
+# apart); every turn prefills it on one thread, so its length is most of this module's time
 NEEDLE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it.\n"
-          + HAY * 25 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 25
+          + HAY * 12 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 12
           + "What is the special magic number for cold-ocean mentioned in the provided text? "
             "The special magic number for cold-ocean mentioned in the provided text is")
 
@@ -31,6 +33,43 @@ def full_run(engine):
     engine.set_budget(0.25)
     r = engine.generate(NEEDLE, max_tokens=20)
     return r.tokens, engine.ctx.page.positions(0)
+
+
+LADDER = (40, 0.25, 0.5)  # a rung that loses the needle (40 cells) and ones that keep it
+
+
+@pytest.fixture(scope="module")
+def verify_alone(engine):
+    """{budget: (Result, cells left in sequence 1 after the turn)} of gate "verify" with the default check
+    (the whole answer, up to the cap) at each budget of LADDER alone. Several tests read these same turns:
+    each is greedy on a reset cache, so running it again gives the same Result; it is run once per module."""
+    engine.set_gate("verify")
+    engine.set_verify()
+    out = {}
+    try:
+        for budget in LADDER:
+            engine.set_budget(budget)
+            r = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8)
+            out[budget] = r, len(engine.ctx.page.positions(1))
+    finally:
+        engine.set_gate("never")
+        engine.set_budget(0.25)
+    return out
+
+
+@pytest.fixture(scope="module")
+def search_run(engine):
+    """(Result, seq_pos_max of sequences 1-8 after the turn) of gate "search" over LADDER with the default
+    check (the engine batches every rung's first chunk), read by the search tests."""
+    engine.set_verify()
+    engine.set_gate("search")
+    engine.set_ladder(LADDER)
+    try:
+        r = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8)
+        return r, [engine.ctx.seq_pos_max(s) for s in range(1, 9)]
+    finally:
+        engine.set_gate("never")
+        engine.set_budget(0.25)
 
 
 def test_budget_one_is_exactly_the_full_cache(engine, full_run):
@@ -73,24 +112,23 @@ def test_committed_eviction_streams_the_full_cache_tokens_first(engine, full_run
     assert d.verify_ms < d.prefill_ms  # one extra batch decode of m tokens
 
 
-def test_the_default_check_covers_the_whole_answer_and_its_end(engine, full_run):
+def test_the_default_check_covers_the_whole_answer_and_its_end(engine, full_run, verify_alone):
     """The needle's answer (' 4817302.', 9 tokens, then end-of-generation) is shorter than the cap:
-    all of it, and its end, is checked; whatever the decision, the user reads the full cache's answer."""
-    engine.set_gate("verify")
+    all of it, and its end, is checked; whatever the decision, the user reads the full cache's answer.
+    (The turns are verify_alone's: gate "verify", engine.set_verify() with no arguments, each budget.)"""
     engine.set_verify()
     assert engine.verify_tokens == VERIFY_CAP
     n = len(full_run[0])
     assert n < VERIFY_CAP
     for budget in (0.5, 0.25, 40):
-        engine.set_budget(budget)
-        r = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8)
+        r, candidate_cells = verify_alone[budget]
         d = r.decision
         assert r.finish_reason == "stop" and r.tokens == full_run[0][:n]
         assert d.verify_m == n and d.verify_until == "end" and "whole answer" in d.reason
         assert d.verify_score == {"argmax": d.verify_changed, "max": max(d.verify_max, 0.0)}[VERIFY_RULE]
         assert d.evicted == (d.verify_score <= d.verify_threshold)
         assert d.kept == (d.B if d.evicted else d.T)
-        assert len(engine.ctx.page.positions(1)) == 0
+        assert candidate_cells == 0
     assert not d.evicted  # budget 40 loses the needle: the check refuses it
 
 
@@ -138,25 +176,14 @@ def test_bad_verify_settings(engine):
 
 # --- gate mode "search": one candidate per rung of a ladder, the smallest that passes -----------------
 
-def test_search_commits_the_smallest_budget_that_passes_and_agrees_with_verify(engine, full_run):
+def test_search_commits_the_smallest_budget_that_passes_and_agrees_with_verify(full_run, verify_alone, search_run):
     """Every rung's verdict is the verdict verify gives at that budget alone (the same answer checked on
     the same keep set), the committed budget is the smallest that passed, and the user reads the full
     cache's answer. The ladder spans a rung that loses the needle (40 cells) and ones that keep it."""
-    ladder = (40, 0.25, 0.5)
-    engine.set_verify()
-    engine.set_gate("verify")
-    alone = []
-    for b in ladder:
-        engine.set_budget(b)
-        alone.append(engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8).decision.evicted)
+    ladder = LADDER
+    alone = [verify_alone[b][0].decision.evicted for b in ladder]
     assert True in alone and False in alone  # the ladder is not all-pass or all-fail: the test can tell
-    engine.set_gate("search")
-    engine.set_ladder(ladder)
-    try:
-        r = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8)
-    finally:
-        engine.set_gate("never")
-        engine.set_budget(0.25)
+    r, seq_pos_max = search_run
     d = r.decision
     first = alone.index(True)
     # smallest first: the rungs below the first that passes failed (as verify said), the ones above were
@@ -171,22 +198,20 @@ def test_search_commits_the_smallest_budget_that_passes_and_agrees_with_verify(e
     above = len(ladder) - first - 1
     assert d.verify_forced == sum(x["forced"] for x in d.search[: first + 1]) + above * min(4, d.verify_m + 1)
     assert r.tokens == full_run[0][: len(r.tokens)]
-    assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))  # no candidate left behind
+    assert all(p == -1 for p in seq_pos_max)  # no candidate left behind
 
 
-def test_search_decides_the_same_with_the_first_chunks_batched_or_not(engine, monkeypatch):
+def test_search_decides_the_same_with_the_first_chunks_batched_or_not(engine, search_run, monkeypatch):
     """Batching every rung's first chunk (candidate i in sequence 1 + i) changes what is decoded together,
-    not the verdicts: the same rungs pass and fail at the same positions, and the same one is committed."""
-    ladder = (40, 0.25, 0.5)
+    not the verdicts: the same rungs pass and fail at the same positions, and the same one is committed.
+    (The batched turn, the engine's default, is search_run's.)"""
+    batched = search_run[0].decision
     engine.set_verify()
     engine.set_gate("search")
-    engine.set_ladder(ladder)
+    engine.set_ladder(LADDER)
     pipe = engine.pipeline
     original = type(pipe).check_ladder
     try:
-        engine.reset()
-        batched = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8).decision
-        engine.reset()
         monkeypatch.setattr(pipe, "check_ladder", lambda *a, **k: original(pipe, *a, **dict(k, batch_first=False)))
         one_by_one = engine.generate(NEEDLE, max_tokens=VERIFY_CAP + 8).decision
     finally:
@@ -203,17 +228,11 @@ def test_search_decides_the_same_with_the_first_chunks_batched_or_not(engine, mo
     assert all(engine.ctx.seq_pos_max(s) == -1 for s in range(1, 9))
 
 
-def test_a_failing_candidate_stops_where_it_fails(engine, full_run):
+def test_a_failing_candidate_stops_where_it_fails(verify_alone):
     """The check decodes growing chunks (4, 8, 16, ...) and stops at the first chunk with a changed top
-    token; the verdict is the one the whole span gives (the argmax rule is monotone in the span)."""
-    engine.set_gate("verify")
-    engine.set_budget(40)  # the needle is lost: the answer's first digits change
-    engine.set_verify()
-    try:
-        d = engine.generate(NEEDLE, max_tokens=VERIFY_CAP).decision
-    finally:
-        engine.set_gate("never")
-        engine.set_budget(0.25)
+    token; the verdict is the one the whole span gives (the argmax rule is monotone in the span). The turn
+    is verify_alone's at 40 cells, where the needle is lost: the answer's first digits change."""
+    d = verify_alone[40][0].decision
     assert not d.evicted and d.verify_changed >= 1
     assert d.verify_forced in (4, 12, 28) and d.verify_forced < d.verify_m + 1
     assert f"within the first {d.verify_forced} tokens" in d.reason
