@@ -84,7 +84,7 @@ class Stream:
 class Engine(ContextPolicy):
     """A model, a context and the PAGE pipeline. Not thread-safe: use one engine per thread."""
 
-    def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = defaults.N_CTX,
+    def __init__(self, model: str | os.PathLike | Model | None = None, n_ctx: int = defaults.N_CTX,
                  budget: float | int = defaults.BUDGET, evictor: str = defaults.EVICTOR, gate: str = defaults.GATE,
                  threads: int = defaults.THREADS, flash_attn: str = "auto",
                  type_kv: str | None = None, seed: int = 0, evictor_options: dict | None = None,
@@ -93,7 +93,13 @@ class Engine(ContextPolicy):
                  n_gpu_layers: int | str | None = None, allow_long_context: bool = False,
                  on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
                  tune_progress=None):
-        path = Path(model) if model is not None else models.default_model_path()
+        """model: a GGUF path, None for the embedded default, or a loaded native Model that several engines
+        share (a server's slots: one copy of the weights). A shared Model is borrowed: close() leaves it to
+        its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own."""
+        shared = model if isinstance(model, Model) else None
+        if shared is not None and shared.closed:
+            raise ValueError("the shared Model is closed")
+        path = shared.path if shared is not None else Path(model) if model is not None else models.default_model_path()
         self.set_verify(verify_tokens, verify_threshold, verify_rule)
         self.compact = bool(compact)
         # what a turn that does not fit does: "evict" earlier turns (room.py), or "refuse" (ContextFull)
@@ -116,7 +122,8 @@ class Engine(ContextPolicy):
         # autotune: with no tuning stored for flash_attn auto, measure one now, once (attention.first_use; at most
         # $PAGE_LOCAL_AUTOTUNE seconds, default 30; off skips it); tune_progress(text, fraction) while it runs
         attention.autotune_budget()
-        self.model = Model(path, n_gpu_layers=n_gpu_layers, rpc=rpc)
+        self._owns_model = shared is None
+        self.model = shared if shared is not None else Model(path, n_gpu_layers=n_gpu_layers, rpc=rpc)
         try:
             self.attention, self.attention_warning = attention.choose(path, self.model, threads, n_ctx, flash_attn,
                                                                       type_kv, autotune, tune_progress)
@@ -125,7 +132,8 @@ class Engine(ContextPolicy):
                                                          type_kv=self.attention.cache_type, n_seq_max=1 + MAX_FUTURES,
                                                          allow_long_context=allow_long_context))
         except Exception:
-            self.model.close()
+            if self._owns_model:
+                self.model.close()
             raise
         try:
             self.ctx.cells_used(0)  # UnsupportedModel now (no KV cache: encoder-only...), not on the first turn
@@ -628,7 +636,8 @@ class Engine(ContextPolicy):
 
     # --- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the context and the model. Refused (EngineBusy) while a turn is running in another thread."""
+        """Free the context and the model (a shared Model is left to its owner). Refused (EngineBusy) while a
+        turn is running in another thread."""
         active = getattr(self, "_active", None)
         if active is not None and not active.running:  # a stream left suspended in this thread: end it
             active.close()
@@ -639,7 +648,8 @@ class Engine(ContextPolicy):
                 self.ctx.close()
                 self.ctx = None
             if getattr(self, "model", None) is not None:
-                self.model.close()
+                if getattr(self, "_owns_model", True):
+                    self.model.close()
                 self.model = None
         finally:
             self._lock.release()

@@ -254,6 +254,10 @@ class Model:
         """A control token (a chat template's turn boundaries: <|im_start|>, <end_of_turn>, ...)."""
         return bool(native.llama_cpp().llama_vocab_is_control(self.vocab, int(token)))
 
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_m", None) is None
+
     def close(self) -> None:
         if getattr(self, "_m", None) is not None:
             self._m.close()

@@ -84,6 +84,7 @@ class Backend:
         self.error: str | None = None
         self.warnings: list[str] = []
         self.slots: list[Slot] = []
+        self.model = None  # native.runtime.Model: loaded once, shared by every slot's engine
         self.pool: SlotPool | None = None
         self.cache = SnapshotCache(settings.cache_bytes)
         self.template = None
@@ -118,21 +119,25 @@ class Backend:
     def _load(self, on_ready, on_error) -> None:
         from page_local.chat.template import ChatTemplate
         from page_local.engine.engine import Engine
+        from page_local.native.runtime import Model
 
         s = self.settings
         try:
+            # one copy of the weights for every slot: each slot's engine borrows it (its own context and KV
+            # cache), and _close_slots closes it once, after the last engine
+            self.model = Model(s.model_path, n_gpu_layers=s.n_gpu_layers)
             for i in range(s.parallel):
                 if self.state == "closed":
                     return
                 extra = {} if s.verify_tokens is None else {"verify_tokens": s.verify_tokens}
-                eng = Engine(s.model_path, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
-                             threads=s.threads, n_gpu_layers=s.n_gpu_layers, on_full=s.on_full,
+                eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
+                             threads=s.threads, on_full=s.on_full,
                              allow_long_context=s.allow_long_context, **extra)
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
                     self.warnings.append(eng.profile_warning)
             try:
-                self.template = ChatTemplate(self.slots[0].engine.model,
+                self.template = ChatTemplate(self.model,
                                              fallback="send plain text to /v1/completions instead")
             except ValueError as e:  # ChatTemplateError: chat completions are refused, completions work
                 self.template_error = str(e)
@@ -174,6 +179,9 @@ class Backend:
         for slot in self.slots:
             slot.close()
         self.slots = []
+        if self.model is not None:  # after every engine that borrowed it
+            self.model.close()
+            self.model = None
 
     # --- one request ---------------------------------------------------------------------------
     def tokens(self, job: Job) -> tuple[list[int], int]:
@@ -182,7 +190,7 @@ class Backend:
         leading tokens are the system prompt and the first turn's header, which making room never
         evicts (as ChatSession tells the engine). Thread-safe. A grammar or a logit bias the model
         cannot take is refused here, before the request waits for a slot."""
-        model = self.slots[0].engine.model
+        model = self.model
         check_with_model(job, model)
         if job.kind != "chat":
             return model.tokenize(job.prompt, add_special=True), 0
@@ -344,7 +352,7 @@ class Backend:
             if self.state != "ready":
                 raise ApiError(503, "the server is not ready", "not_ready")
             if self._embedder is None:
-                model = self.slots[0].engine.model
+                model = self.model
                 self._embedder = Embedder(model, n_ctx=self.embed_ctx, threads=self.settings.threads)
             return [self._embedder.embed(toks) for toks in inputs]
 

@@ -84,7 +84,7 @@ def routes(backend, ready):
     s = backend.settings
 
     def model():
-        return backend.slots[0].engine.model
+        return backend.model
 
     async def read(request) -> dict:
         ready()

@@ -242,7 +242,7 @@ def routes(backend, ready, namespace):
                            "model_not_found", "model")
 
     def model():
-        return backend.slots[0].engine.model
+        return backend.model
 
     def details() -> dict:
         meta = model().metadata()

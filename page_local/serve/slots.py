@@ -1,8 +1,8 @@
 """Engine slots and the conversation cache: why a client that resends its whole conversation is not
 prefilled again.
 
-A slot is one Engine (its own context, the same GGUF file, mmapped once by the OS) and the one thread
-that ever drives it. `--parallel N` gives N slots. What a slot's engine holds is its *live*
+A slot is one Engine (its own context and KV cache, on the one Model the backend loaded for every
+slot) and the one thread that ever drives it. `--parallel N` gives N slots. What a slot's engine holds is its *live*
 conversation; conversations pushed out of a slot are kept as host-RAM snapshots (Engine.snapshot) in
 one LRU shared by all slots, under a byte cap.
 
