@@ -33,6 +33,7 @@ struct llama_page_probe_info {
 };
 
 int32_t llama_page_probe_arm(struct llama_context * ctx, llama_seq_id seq_id, int32_t top_k, bool keep_rows);
+int32_t llama_page_probe_last_queries(struct llama_context * ctx, int32_t n_last);
 int32_t llama_page_probe_disarm(struct llama_context * ctx);
 int32_t llama_page_probe_get_info(const struct llama_context * ctx, struct llama_page_probe_info * info);
 int32_t llama_page_probe_get_positions(const struct llama_context * ctx, llama_pos * positions, int64_t n);

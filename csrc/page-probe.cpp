@@ -97,6 +97,8 @@ struct probe_state {
     llama_seq_id seq_id    = -1;
     int32_t      top_k     = 32;
     bool         keep_rows = false;
+    int32_t      n_last    = 0;     // the probe reads the batch's last n_last queries only (0: all of them)
+    int32_t      q_skip    = 0;     // the armed ubatch's leading tokens the probe skips (n_tokens - n_last)
     bool         cost_mode = false; // armed with llama_page_probe_arm_cost (seq_id is the target sequence)
     bool         vn_reuse  = false; // the armed cost decode reads the cached value norms
     bool         vn_valid  = false; // the cache holds the norms of the cells named by vn_key
@@ -529,6 +531,7 @@ bool llama_page_ubatch_begin(llama_context * ctx, const llama_ubatch & ubatch) {
                           std::to_string(ctx->n_ubatch()) + ") tokens";
         return had_probe;
     }
+    st->q_skip = (st->n_last > 0 && (uint32_t) st->n_last < ubatch.n_tokens) ? (int32_t) ubatch.n_tokens - st->n_last : 0;
     for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
         if (st->cost_mode) {
             if (ubatch.n_seq_id[i] != 1) {
@@ -540,7 +543,9 @@ bool llama_page_ubatch_begin(llama_context * ctx, const llama_ubatch & ubatch) {
                               std::to_string(st->seq_id) + " only";
             return had_probe;
         }
-        st->queries.push_back(ubatch.pos[i]);
+        if ((int32_t) i >= st->q_skip) {
+            st->queries.push_back(ubatch.pos[i]);
+        }
     }
     st->graph_has_probe = true;
     tl_build = st;
@@ -558,6 +563,19 @@ void llama_page_probe_attn(ggml_context * ctx0, ggml_cgraph * gf,
     if (k->ne[3] != 1 || q->ne[3] != 1) {
         st->batch_error = "the probe needs a single KV stream for the armed batch";
         return;
+    }
+    if (st->q_skip > 0) {
+        // only the batch's last n_last queries: views of their rows of q [d, n_tokens, n_head] and of the mask
+        // [n_kv, n_tokens (padded)]; the batch's other tokens are decoded as usual, the probe skips them
+        if (kq_b || kq_mask->ne[2] != 1 || kq_mask->ne[3] != 1) {
+            st->batch_error = "the probe cannot read only the last queries of a batch with a KQ bias or a "
+                              "per-head mask; arm it on a batch of those queries alone";
+            return;
+        }
+        const int64_t n_q = q->ne[1] - st->q_skip;
+        q = ggml_view_3d(ctx0, q, q->ne[0], n_q, q->ne[2], q->nb[1], q->nb[2], (size_t) st->q_skip * q->nb[1]);
+        kq_mask = ggml_view_2d(ctx0, kq_mask, kq_mask->ne[0], n_q, kq_mask->nb[1],
+                               (size_t) st->q_skip * kq_mask->nb[1]);
     }
 
     // the same logits, caps, bias, mask and softmax as the non-flash path of build_attn_mha
@@ -672,12 +690,32 @@ int32_t llama_page_probe_arm(llama_context * ctx, llama_seq_id seq_id, int32_t t
         st.seq_id     = seq_id;
         st.top_k      = top_k;
         st.keep_rows  = keep_rows;
+        st.n_last     = 0;
         st.has_result = false;
         st.failure.clear();
     } catch (const std::exception & e) {
         page_set_error(std::string("internal: ") + e.what());
         return LLAMA_PAGE_ERR_INTERNAL;
     }
+    return LLAMA_PAGE_OK;
+}
+
+int32_t llama_page_probe_last_queries(llama_context * ctx, int32_t n_last) {
+    page_set_error("");
+    if (!ctx) {
+        page_set_error("ctx is NULL");
+        return LLAMA_PAGE_ERR_INVALID_ARG;
+    }
+    if (n_last < 0) {
+        page_set_error("n_last must be >= 0 (got " + std::to_string(n_last) + ")");
+        return LLAMA_PAGE_ERR_INVALID_ARG;
+    }
+    probe_state * st = find_state(ctx);
+    if (!st || !st->armed || st->cost_mode) {
+        page_set_error("arm the probe (llama_page_probe_arm) before choosing its queries");
+        return LLAMA_PAGE_ERR_INVALID_ARG;
+    }
+    st->n_last = n_last;
     return LLAMA_PAGE_OK;
 }
 
@@ -888,6 +926,7 @@ int32_t llama_page_probe_arm_cost(llama_context * ctx, llama_seq_id target_seq, 
         st.seq_id     = target_seq;
         st.top_k      = 1;
         st.keep_rows  = false;
+        st.n_last     = 0;
         st.has_result = false;
         st.failure.clear();
     } catch (const std::exception & e) {

@@ -30,16 +30,20 @@ def tiny(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("flash_attn", ["off", "on"], ids=["flash-off", "flash-on"])
-def test_probe_equals_float64_reference(tiny, flash_attn):
+@pytest.mark.parametrize("rides", [0, 100], ids=["window-apart", "last-of-batch"])
+def test_probe_equals_float64_reference(tiny, flash_attn, rides):
+    """rides: the armed batch also carries that many earlier tokens, which the probe skips (last=W: the
+    engine's prefill arms the prompt's last ubatch so)."""
     tokens = np.random.default_rng(7).integers(tm.N_SPECIAL, tiny.n_vocab, size=PREFIX + W).tolist()
-    ref = tm.reference_forward(tiny, tokens, fa_f16=flash_attn == "on", fa_split=[PREFIX, W], fa_n_threads=THREADS)
+    ref = tm.reference_forward(tiny, tokens, fa_f16=flash_attn == "on", fa_split=[PREFIX - rides, rides + W],
+                               fa_n_threads=THREADS)
     want = tm.window_scores(ref, PREFIX, PREFIX + W)  # (n_layer, n_head, n_tokens)
 
     with Model(tiny.path) as model, Context(model, ContextConfig(
             n_ctx=1024, n_batch=512, n_ubatch=512, threads=THREADS, flash_attn=flash_attn, type_kv="f32")) as ctx:
-        ctx.decode(tokens[:PREFIX], 0, logits="none")
-        ctx.page.arm_probe(0, top_k=16, keep_rows=True)
-        ctx.decode(tokens[PREFIX:], PREFIX)
+        ctx.decode(tokens[:PREFIX - rides], 0, logits="none")
+        ctx.page.arm_probe(0, top_k=16, keep_rows=True, last=W if rides else 0)
+        ctx.decode(tokens[PREFIX - rides:], PREFIX - rides)
         r = ctx.page.read_probe()
 
     n = PREFIX + W
@@ -70,6 +74,21 @@ def test_probe_equals_float64_reference(tiny, flash_attn):
             sure = {int(p) for p in order[:16] if want[il, h, p] > kth * (1 + eps)}
             assert sure <= got
             assert all(want[il, h, p] >= kth * (1 - eps) for p in got)
+
+
+def test_a_probe_on_the_last_queries_skips_the_others_and_refuses_a_bad_count(tiny):
+    from page_local.errors import InvalidArgument
+
+    tokens = np.random.default_rng(3).integers(tm.N_SPECIAL, tiny.n_vocab, size=96).tolist()
+    with Model(tiny.path) as model, Context(model, ContextConfig(n_ctx=256, threads=THREADS)) as ctx:
+        with pytest.raises(InvalidArgument, match="last must be >= 0"):
+            ctx.page.arm_probe(0, top_k=4, last=-1)
+        ctx.page.arm_probe(0, top_k=4, last=500)  # more than the batch holds: every query
+        ctx.decode(tokens[:40], 0)
+        assert ctx.page.read_probe().queries.tolist() == list(range(40))
+        ctx.page.arm_probe(0, top_k=4, last=8)
+        ctx.decode(tokens[40:], 40)
+        assert ctx.page.read_probe().queries.tolist() == list(range(88, 96))
 
 
 @pytest.mark.parametrize("type_kv", ["f32", "f16"])

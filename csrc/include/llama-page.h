@@ -53,6 +53,12 @@ struct llama_page_probe_info {
 // Arming replaces any previous result. The probe disarms itself after one llama_decode().
 LLAMA_API int32_t llama_page_probe_arm(struct llama_context * ctx, llama_seq_id seq_id, int32_t top_k, bool keep_rows);
 
+// After llama_page_probe_arm: the probe reads only the armed batch's last n_last queries (0, the default: all
+// of them). The batch's other tokens are decoded as usual (so a prompt's last ubatch can carry the probe
+// without a batch of its own); the batch must still be one ubatch of seq_id. Refused for an unarmed probe or a
+// deletion-cost one; a model with a KQ bias reports LLAMA_PAGE_ERR_BATCH (arm a batch of the queries alone).
+LLAMA_API int32_t llama_page_probe_last_queries(struct llama_context * ctx, int32_t n_last);
+
 // Cancel an armed probe and drop any result. Always succeeds for a valid context.
 LLAMA_API int32_t llama_page_probe_disarm(struct llama_context * ctx);
 

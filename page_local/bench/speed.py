@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from page_local.engine.turn import N_SINK, TOP_K, W
+from page_local.engine.turn import N_SINK, TOP_K, W, armed_tail
 from page_local.errors import BenchError
 from page_local.native.runtime import Context, ContextConfig, Model
 from page_local.verify import VERIFY_CAP
@@ -28,7 +28,8 @@ def _attention(model_path, model, threads: int, n_ctx: int) -> dict:
 
 def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: int = 2, seed: int = 0,
                    n_gpu_layers: int | str | None = None) -> dict:
-    """Wall time of a `tokens`-token prefill with and without the probe armed on the last W positions."""
+    """Wall time of a `tokens`-token prefill with the probe armed as the engine arms it (on the last W queries
+    of the prompt's last ubatch: turn.armed_tail) and without it (the prompt in one call, llama.cpp's split)."""
     if tokens <= W:
         raise ValueError(f"--tokens must exceed the probe window ({W}), got {tokens}")
     if repeats < 1:
@@ -45,12 +46,14 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
             armed = bool(i % 2)
             ctx.clear()
             t0 = time.perf_counter()
-            ctx.decode(prompt[: tokens - W], 0, logits="none")
             if armed:
-                ctx.page.arm_probe(0, TOP_K)
-            ctx.decode(prompt[tokens - W :], tokens - W)
-            if armed:
+                m = armed_tail(tokens, ctx.n_ubatch)
+                ctx.decode(prompt[: tokens - m], 0, logits="none")
+                ctx.page.arm_probe(0, TOP_K, last=W if m > W else 0)
+                ctx.decode(prompt[tokens - m:], tokens - m)
                 ctx.page.read_probe()
+            else:
+                ctx.decode(prompt, 0, logits="last")
             times[armed].append(time.perf_counter() - t0)
     armed_s, plain_s = statistics.median(times[True]), statistics.median(times[False])
     return {

@@ -1,7 +1,8 @@
 """The steps of a turn on a llama.cpp context, written once: Engine, the evaluation runner and the
 benchmarks all run these (docs/design.md §5, "One turn through the engine").
 
-    prefill   decode prompt[:-W]; arm the probe; decode prompt[-W:] as one batch; read the probe
+    prefill   decode the prompt up to its last ubatch; arm the probe on that ubatch's last W queries (one
+              batch fewer than a batch of its own, llama.cpp's split of the prompt); read the probe
     signal    D and per-layer agreement (signal.py) from the probe
     signals   what the evictor needs beyond the probe: the last token's query, key norms, the
               prefill's accumulated attention (H2O), LORE-KV's lookahead (sampled futures; or, for
@@ -21,6 +22,7 @@ projection factors LORE-KV reuses.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,8 +33,20 @@ from page_local.evictors.base import EvictionInput
 from page_local.probe import ProbeResult
 from page_local.verify import VERIFY_RULE, logp, top_token, verify_score
 
-W = 32  # the probe window: the prompt's last W tokens are decoded as one batch with the probe armed
+W = 32  # the probe window: the probe reads the queries of the prompt's last W tokens
 TOP_K = 32  # per-head top-k the probe keeps for every query
+
+
+def armed_tail(n: int, n_ubatch: int) -> int:
+    """How many of a prompt's n last tokens the armed batch holds: the prompt's last ubatch as llama.cpp splits
+    it (n_ubatch each from the start), at least min(W, n); the probe reads the last W of them. So the probe
+    rides on a batch the prompt needs anyway: no batch of its own (measured on AMD EPYC Zen 1, 2K tokens:
+    the 32-token batch apart cost 3-5 % of the prefill). $PAGE_LOCAL_PROBE_BATCH=apart: min(W, n), a batch of
+    its own (as before; the committed evaluation rows were read so)."""
+    w = min(W, n)
+    if os.environ.get("PAGE_LOCAL_PROBE_BATCH") == "apart":
+        return w
+    return max(w, n - n_ubatch * ((n - 1) // n_ubatch))
 # The check's first chunk of forced tokens; each later chunk doubles (Pipeline.check_ladder). A failing
 # candidate stops at the chunk where it fails: on the committed search rows this forces 35-75 tokens per
 # input over the whole ladder, against 160-260 for every rung in full (docs/results.md, "Budget search").
@@ -90,13 +104,14 @@ class Pipeline:
         ctx, page = self.ctx, self.ctx.page
         n = len(toks)
         w = min(W, n)
+        m = w if track_attention else armed_tail(n, ctx.n_ubatch)  # H2O's tracking arms every chunk apart
         t0 = time.perf_counter()
         try:  # a cancelled prefill (Cancelled between batches) leaves no probe armed; its cells are the caller's
-            attn = self._decode_tracked(toks[: n - w], pos0, seq, track_attention)
-            page.arm_probe(seq, TOP_K)
-            ctx.decode(list(toks[n - w:]), pos0 + n - w, seq, cancel=self.cancel)
+            attn = self._decode_tracked(toks[: n - m], pos0, seq, track_attention)
+            page.arm_probe(seq, TOP_K, last=w if m > w else 0)
+            ctx.decode(list(toks[n - m:]), pos0 + n - m, seq, cancel=self.cancel)
             if self.progress is not None:
-                self.progress(w)
+                self.progress(m)
         except BaseException:
             page.disarm_probe()
             raise

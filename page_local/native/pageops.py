@@ -60,11 +60,17 @@ class PageOps:
         return rc
 
     # --- probe -------------------------------------------------------------------------------
-    def arm_probe(self, seq_id: int, top_k: int = 32, keep_rows: bool = False) -> None:
-        """Arm the probe for the next llama_decode (one ubatch, tokens of seq_id only)."""
-        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
-            raise InvalidArgument(f"top_k must be an int, got {top_k!r}")
+    def arm_probe(self, seq_id: int, top_k: int = 32, keep_rows: bool = False, last: int = 0) -> None:
+        """Arm the probe for the next llama_decode (one ubatch, tokens of seq_id only). last: it reads only
+        the batch's last `last` queries (0: all); the others are decoded as usual."""
+        for name, v in (("top_k", top_k), ("last", last)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise InvalidArgument(f"{name} must be an int, got {v!r}")
+        if last < 0:
+            raise InvalidArgument(f"last must be >= 0 (0: every query of the batch), got {last}")
         self._check(self._lib.llama_page_probe_arm(self._ctx, int(seq_id), int(top_k), bool(keep_rows)))
+        if last:
+            self._check(self._lib.llama_page_probe_last_queries(self._ctx, int(last)))
 
     def disarm_probe(self) -> None:
         self._check(self._lib.llama_page_probe_disarm(self._ctx))
