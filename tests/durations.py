@@ -1,15 +1,18 @@
 """Recorded test durations: which test files xdist hands out first, and which tests are `slow`.
 
 tests/durations.json holds each test's seconds (setup + call + teardown, as `pytest --durations=0` reports
-them) from a full `make test` on the development machine (docs/test-time.md). Two uses, neither of which
-changes what a test does or asserts:
+them; "tests") and, where it took a second or more, its setup's ("setup": the module-scoped models, servers
+and runs it was the first to need) from a full `make test` on the development machine (docs/test-time.md).
+Two uses, neither of which changes what a test does or asserts:
 
 - scheduling: `make test` runs files in parallel workers (`-n 2 --dist loadfile`: a file's module-scoped
   models and servers are made once). xdist hands out files by their number of tests, so a file of a few
   long tests could start last and leave one worker running alone at the end. Files are handed out heaviest
   first by their recorded seconds instead (longest-processing-time first).
-- the `slow` marker: a test that took SLOW_S seconds or more is marked slow, so `make test-fast`
-  (-m "not slow") is the quick loop; `make test` and CI run everything.
+- the `slow` marker: a test that took SLOW_S seconds or more is marked slow, and so is every test of its file
+  that uses a module- or session-scoped fixture whose setup took SLOW_S or more (left to itself, the next
+  such test would pay it), so `make test-fast` (-m "not slow") is the quick loop; `make test` and CI run
+  everything.
 
 A test not in the file yet counts DEFAULT_S seconds and is not slow. `make test-durations` rewrites the file
 from a full run (python tests/durations.py LOG reads pytest's --durations=0 report).
@@ -29,19 +32,32 @@ DEFAULT_S = 1.0
 HAVE_XDIST = importlib.util.find_spec("xdist") is not None
 
 
-def load() -> dict[str, float]:
+def load() -> tuple[dict[str, float], dict[str, float]]:
+    """(seconds per test, setup seconds per test where >= 1 s)."""
     try:
-        return json.loads(FILE.read_text(encoding="utf-8"))
+        data = json.loads(FILE.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {}
+        return {}, {}
+    return data.get("tests", {}), data.get("setup", {})
+
+
+def _shared_fixtures(item) -> list[str]:
+    """The module-, package- or session-scoped fixtures a test uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope != "function"]
 
 
 def mark_slow(items) -> None:
     import pytest
 
-    seconds = load()
+    seconds, setup = load()
+    costly = {(item.nodeid.split("::")[0], name) for item in items if setup.get(item.nodeid, 0.0) >= SLOW_S
+              for name in _shared_fixtures(item)}
     for item in items:
-        if seconds.get(item.nodeid, 0.0) >= SLOW_S:
+        file = item.nodeid.split("::")[0]
+        if seconds.get(item.nodeid, 0.0) >= SLOW_S or any((file, n) in costly for n in _shared_fixtures(item)):
             item.add_marker(pytest.mark.slow)
 
 
@@ -51,7 +67,7 @@ def make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    seconds = load()
+    seconds = load()[0]
 
     class HeaviestFileFirst(LoadFileScheduling):
         def _assign_work_unit(self, node) -> None:  # LoadScopeScheduling's, but not in collection order
@@ -67,15 +83,20 @@ def make_scheduler(config, log):
 def record(log: str | Path, out: Path = FILE) -> dict[str, float]:
     """Per-test seconds from a `pytest --durations=0 --durations-min=0` report, written to `out`."""
     seconds: dict[str, float] = {}
+    setup: dict[str, float] = {}
     for line in Path(log).read_text(encoding="utf-8", errors="replace").splitlines():
-        m = re.match(r"\s*([\d.]+)s (?:setup|call|teardown)\s+(\S+::\S+)", line)
+        m = re.match(r"\s*([\d.]+)s (setup|call|teardown)\s+(\S+::\S+)", line)
         if m:
-            seconds[m.group(2)] = seconds.get(m.group(2), 0.0) + float(m.group(1))
+            t, phase, nodeid = float(m.group(1)), m.group(2), m.group(3)
+            seconds[nodeid] = seconds.get(nodeid, 0.0) + t
+            if phase == "setup":
+                setup[nodeid] = t
     if not seconds:
         raise SystemExit(f"{log}: no --durations=0 lines")
-    rounded = {k: round(v, 1) for k, v in sorted(seconds.items())}
-    out.write_text(json.dumps(rounded, indent=0) + "\n", encoding="utf-8")
-    return rounded
+    data = {"tests": {k: round(v, 1) for k, v in sorted(seconds.items())},
+            "setup": {k: round(v, 1) for k, v in sorted(setup.items()) if v >= 1.0}}
+    out.write_text(json.dumps(data, indent=0) + "\n", encoding="utf-8")
+    return data["tests"]
 
 
 if __name__ == "__main__":
