@@ -48,7 +48,8 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
             t0 = time.perf_counter()
             if armed:
                 m = armed_tail(tokens, ctx.n_ubatch)
-                ctx.decode(prompt[: tokens - m], 0, logits="none")
+                if tokens > m:  # a prompt of one ubatch is the armed batch alone
+                    ctx.decode(prompt[: tokens - m], 0, logits="none")
                 ctx.page.arm_probe(0, TOP_K, last=W if m > W else 0)
                 ctx.decode(prompt[tokens - m:], tokens - m)
                 ctx.page.read_probe()
