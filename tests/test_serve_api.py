@@ -315,7 +315,7 @@ def test_json_strings_exclude_control_characters():
 # --- return_progress: the prompt's reading, streamed (llama-server's prompt_progress) --------------
 
 def test_a_streamed_request_can_follow_the_reading_of_its_prompt(http):
-    doc = " ".join(f"Crate {i} holds {i % 9 + 1} green apples." for i in range(70))  # ~700 tokens: 3 batches
+    doc = " ".join(f"Crate {i} holds {i % 9 + 1} green apples." for i in range(70))  # ~800 tokens: 2 batches of 512
     body = {"model": "smollm2", "messages": [{"role": "user", "content": doc + " Which crate is first?"}],
             "max_tokens": 4, "temperature": 0, "stream": True, "return_progress": True,
             "stream_options": {"include_usage": True}}
@@ -327,7 +327,7 @@ def test_a_streamed_request_can_follow_the_reading_of_its_prompt(http):
                 events.append(json.loads(line[6:]))
     progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
     first_text = next(i for i, e in enumerate(events) if e["choices"] and e["choices"][0]["delta"].get("content"))
-    assert len(progress) >= 3 and all("prompt_progress" not in e for e in events[first_text:])
+    assert len(progress) >= 2 and all("prompt_progress" not in e for e in events[first_text:])
     usage = next(e["usage"] for e in events if e.get("usage"))
     assert {p["total"] for p in progress} == {usage["prompt_tokens"]}
     done = [p["processed"] for p in progress]
