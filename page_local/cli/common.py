@@ -345,9 +345,11 @@ def tuning_progress(console):
             state["bar"] = progress(console)
             state["bar"].start()
             state["task"] = state["bar"].add_task("", total=1.0)
+            from page_local.engine.attention import autotune_budget
+
             console.print("measuring this machine's attention paths, once for this model and thread count "
-                          "(at most 30 s; `page-local tune` redoes it, $PAGE_LOCAL_AUTOTUNE=off skips it)",
-                          style="dim")
+                          f"(at most {autotune_budget():.0f} s; `page-local tune` redoes it, $PAGE_LOCAL_AUTOTUNE=off "
+                          "skips it)", style="dim")
         state["bar"].update(state["task"], description=f"tuning: {text}", completed=fraction)
 
     try:
