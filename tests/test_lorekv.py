@@ -196,7 +196,8 @@ def lk_model(smollm2_path):
 
 
 def _prefilled(model, toks, **cfg):
-    ctx = Context(model, ContextConfig(n_ctx=1024, n_seq_max=9, threads=THREADS, flash_attn="off", **cfg))
+    cfg = dict(n_ctx=1024, n_seq_max=9, threads=THREADS, flash_attn="off") | cfg
+    ctx = Context(model, ContextConfig(**cfg))
     ctx.decode(toks, 0, 0)
     return ctx
 
@@ -243,13 +244,13 @@ def test_seeded_lookahead_is_deterministic(lk_model):
 
 
 def test_lookahead_shrinks_to_the_free_cells(lk_model):
-    toks = random_tokens(1000, seed=7)
-    ctx = _prefilled(lk_model, toks)  # n_ctx 1024: 23 free cells once one is kept for the answer
+    toks = random_tokens(488, seed=7)
+    ctx = _prefilled(lk_model, toks, n_ctx=512)  # 23 free cells once one is kept for the answer
     try:
         proj = context_out_proj_factors(ctx, lk_model.n_layer, lk_model.n_head, lk_model.n_embd, "gain")
         la = run_lookahead(ctx, 0, ctx.logits(), LookaheadSpec(futures=4, tokens=32), proj, lk_model.is_eog)
         assert la.cost.shape[0] * max(la.n_fed) <= 23 and "shortened" in la.note
-        assert ctx.page.positions(0).size == 1000
+        assert ctx.page.positions(0).size == 488
     finally:
         ctx.close()
 
@@ -279,14 +280,16 @@ def test_lorekv_evictor_aggregates_and_validates():
 
 
 HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
-NEEDLE = (HAY * 20 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 20
+# ~560 tokens: what is tested is that the lookahead leaves no trace and verify/search read the full cache's
+# answer, not a length
+NEEDLE = (HAY * 10 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 10
           + "What is the special magic number for cold-ocean mentioned in the provided text? "
             "The special magic number for cold-ocean mentioned in the provided text is")
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path):
-    with Engine(smollm2_path, n_ctx=2048, threads=THREADS, gate="always", evictor="lorekv", flash_attn="off",
+    with Engine(smollm2_path, n_ctx=1024, threads=THREADS, gate="always", evictor="lorekv", flash_attn="off",
                 evictor_options=dict(futures=2, tokens=8)) as e:
         yield e
 
