@@ -204,7 +204,9 @@ def test_a_corrupt_tuning_is_a_warning_not_a_failure(cli, smollm2_path, tmp_path
     assert json.loads(res.stdout)["attention"]["source"] == "default"
 
 
-DOC = ("The archive keeps many records. " * 30 + "The vault code is 8841. " + "Old ledgers fill the shelves. " * 30
+# ~200 tokens in 256 cells (was ~410 in 512): every step runs at any length; the last turn still does not fit
+# beside the restored conversation, so room is made
+DOC = ("The archive keeps many records. " * 14 + "The vault code is 8841. " + "Old ledgers fill the shelves. " * 14
        + "What is the vault code?")
 
 
@@ -215,7 +217,7 @@ def test_every_step_on_each_path_and_cache_type(smollm2_path, fa, ct, tmp_path):
     this attention path and cache type."""
     from page_local.engine import Engine
 
-    with Engine(smollm2_path, n_ctx=512, budget=0.5, gate="always", flash_attn=fa, type_kv=ct, threads=2) as eng:
+    with Engine(smollm2_path, n_ctx=256, budget=0.5, gate="always", flash_attn=fa, type_kv=ct, threads=2) as eng:
         assert (eng.attention.flash_attn, eng.attention.cache_type) == (fa, ct)
         assert eng.ctx.config.flash_attn == fa and eng.ctx.config.type_kv == ct
         d = _turn(eng, DOC, 4).decision

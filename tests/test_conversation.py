@@ -68,12 +68,13 @@ def test_the_speed_budget_is_a_share_of_the_conversation_not_compounded(smollm2_
 def test_a_chat_past_the_context_makes_room_and_keeps_its_structure(smollm2_path):
     """Turns that outgrow n_ctx: no refusal; room is made once in a while (down to the low-water mark),
     the system prompt and every turn boundary survive, and the latest fact is still answered."""
-    with Engine(smollm2_path, n_ctx=1024, gate="never", threads=THREADS) as eng:
+    turns = 5  # ~150 tokens each: the fourth outgrows the 512 cells
+    with Engine(smollm2_path, n_ctx=512, gate="never", threads=THREADS) as eng:
         chat = ChatSession(eng, system="You answer in a few words.")
         assert eng.n_keep > 0
         head = eng.history  # filled by the first turn
         made = []
-        for i in range(8):
+        for i in range(turns):
             turn = chat.send(document(3, f"Note {i}: the locker number is {4100 + i}.", 0.3)
                              + " What is the locker number in the note?", max_tokens=12)
             answer = "".join(turn)
@@ -85,7 +86,7 @@ def test_a_chat_past_the_context_makes_room_and_keeps_its_structure(smollm2_path
         assert np.isin(np.arange(eng.n_keep), held).all()  # the system prompt was never evicted
         control = [i for i, t in enumerate(head) if eng.model.is_control(t)]
         assert np.isin(np.asarray(control), held).all()  # nor a turn boundary
-        assert "4107" in answer.replace(",", "").replace(" ", ""), answer
+        assert str(4100 + turns - 1) in answer.replace(",", "").replace(" ", ""), answer
 
 
 def test_refuse_mode_keeps_the_old_hard_stop(smollm2_path):
@@ -113,8 +114,9 @@ def test_a_document_longer_than_the_context_is_answered(smollm2_path):
 
 
 def test_an_interrupted_chunked_prefill_leaves_the_conversation_as_it_was(smollm2_path, monkeypatch):
-    with Engine(smollm2_path, n_ctx=1024, gate="never", threads=THREADS) as eng:
-        list(eng.stream(FILLER * 30, max_tokens=4))
+    # ~570 tokens into 512 cells, then ~1,140 (read in chunks, the second interrupted)
+    with Engine(smollm2_path, n_ctx=512, gate="never", threads=THREADS) as eng:
+        list(eng.stream(FILLER * 15, max_tokens=4))
         before = (eng.ctx.page.positions(0).tolist(), list(eng.history))
         calls = []
         real = eng.pipeline.prefill
@@ -127,7 +129,7 @@ def test_an_interrupted_chunked_prefill_leaves_the_conversation_as_it_was(smollm
 
         monkeypatch.setattr(eng.pipeline, "prefill", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            list(eng.stream(FILLER * 60, max_tokens=4))
+            list(eng.stream(FILLER * 30, max_tokens=4))
         monkeypatch.setattr(eng.pipeline, "prefill", real)
         assert (eng.ctx.page.positions(0).tolist(), list(eng.history)) == before
         list(eng.stream(" And then?", max_tokens=2))  # the conversation goes on
