@@ -1,5 +1,5 @@
-"""The evaluation runner, metrics and report on SmolLM2 (1 thread, ~600-token samples): one prefill per
-sample gives the same full-cache answer as Engine(gate="never"), the copy/re-decode path without
+"""The evaluation runner, metrics and report on SmolLM2 (1 thread, ~400-token samples: nothing tested
+depends on the length; each prefill is on one thread): one prefill per sample gives the same full-cache answer as Engine(gate="never"), the copy/re-decode path without
 eviction reproduces the full cache, every (sample, configuration) has one complete row, resuming adds
 nothing (and re-creates removed rows identically), metrics on hand-made rows give known numbers."""
 
@@ -26,7 +26,7 @@ from page_local.gate import Gate
 from page_local.verify import VERIFY_CAP, verify_score
 
 THREADS = 1
-LENGTH = 600
+LENGTH = 400  # niah: a ~270-token prompt beside its 128-token answer budget
 VT_LENGTH = 1000
 BUDGETS = (0.5, 0.125)
 EVICTORS = ("snapkv", "random")
@@ -135,7 +135,7 @@ def test_every_configuration_of_a_sample_shares_one_prefill_and_the_engine_agree
     assert len(rows) == 2 * (1 + 2 * 2 * 3) == 2 * N_CONFIGS and len(calls) == 2
     with Model(smollm2_path) as tok_model:
         prompter = ChatPrompter(tok_model)
-        samples = load_samples(prompter, ["niah_single_1"], 2, 600, 42, None)
+        samples = load_samples(prompter, ["niah_single_1"], 2, LENGTH, 42, None)
         prompts = [prompter.prompt(s).tokens for s in samples]
     with Engine(smollm2_path, n_ctx=res["n_ctx"], threads=THREADS, gate="page") as eng:
         for i, toks in enumerate(prompts):
@@ -212,7 +212,7 @@ def test_report_writes_markdown_and_plots(tiny, tmp_path):
     md = write_report(tiny[0], tmp_path / "rep")
     text = md.read_text()
     assert "Accuracy vs budget" in text and "niah_single_1" in text and "AUROC" in text
-    for run in ("run1_", "run2_"):  # two runs in the file (length targets 600 and 1000)
+    for run in ("run1_", "run2_"):  # two runs in the file (length targets LENGTH and VT_LENGTH)
         for png in ("accuracy_vs_budget.png", "D_by_task.png", "roc.png"):
             assert (tmp_path / "rep" / (run + png)).stat().st_size > 1000
             assert f"]({run + png})" in text
@@ -399,7 +399,8 @@ def test_regate_re_decides_page_from_D_between_the_two_evaluated_caches():
 
 def test_search_rows_commit_the_smallest_budget_whose_verify_row_passed(smollm2_path, home, tmp_path):
     out = tmp_path / "rows.jsonl"
-    run_eval(smollm2_path, tasks=["niah_single_1", "niah_multivalue"], n=2, length=600, budgets=[0.0625, 0.25, 0.5],
+    # 450: niah_multivalue's smallest instance (~250 tokens) beside its answer budget
+    run_eval(smollm2_path, tasks=["niah_single_1", "niah_multivalue"], n=2, length=450, budgets=[0.0625, 0.25, 0.5],
              evictors=["snapkv"], gates=["verify", "search", "page+search"], out=out, threads=THREADS)
     rows = read_rows(out)
     for (task, index) in {(r["task"], r["index"]) for r in rows}:
@@ -433,9 +434,9 @@ def test_search_rows_commit_the_smallest_budget_whose_verify_row_passed(smollm2_
 def test_lorekv_answer_rows_are_scored_by_the_full_cache_answer(smollm2_path, home, tmp_path):
     out = tmp_path / "rows.jsonl"
     with pytest.raises(ValueError, match="only the verify and search gates"):
-        run_eval(smollm2_path, tasks=["niah_single_1"], n=1, length=600, budgets=[0.25], evictors=["lorekv-answer"],
+        run_eval(smollm2_path, tasks=["niah_single_1"], n=1, length=LENGTH, budgets=[0.25], evictors=["lorekv-answer"],
                  gates=["always", "verify"], out=out, threads=THREADS)
-    run_eval(smollm2_path, tasks=["niah_single_1"], n=2, length=600, budgets=[0.125, 0.5],
+    run_eval(smollm2_path, tasks=["niah_single_1"], n=2, length=LENGTH, budgets=[0.125, 0.5],
              evictors=["lorekv-answer"], gates=["verify", "search"], out=out, threads=THREADS)
     rows = read_rows(out)
     ver = [r for r in rows if r["gate"] == "verify"]
