@@ -1,7 +1,8 @@
 """The evaluation runner, metrics and report on SmolLM2 (1 thread, ~400-token samples: nothing tested
-depends on the length; each prefill is on one thread): one prefill per sample gives the same full-cache answer as Engine(gate="never"), the copy/re-decode path without
-eviction reproduces the full cache, every (sample, configuration) has one complete row, resuming adds
-nothing (and re-creates removed rows identically), metrics on hand-made rows give known numbers."""
+depends on the length): one prefill per sample gives the same full-cache answer as Engine(gate="never"),
+the copy/re-decode path without eviction reproduces the full cache, every (sample, configuration) has one
+complete row, resuming adds nothing (and re-creates removed rows identically), metrics on hand-made rows
+give known numbers."""
 
 from __future__ import annotations
 
