@@ -15,13 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_model as tm  # noqa: E402
 
 THREADS = 1
-DOC = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n" * 14
+# ~320 tokens (was ~720): an evicted chat's save and load do not depend on the length
+DOC = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n" * 6
        + "The secret code of the blue door is 58213.\n"
-       + "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n" * 14)
+       + "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n" * 6)
 
 
 def evicted_chat(path):
-    eng = Engine(path, n_ctx=2048, budget=0.5, gate="always", threads=THREADS)
+    eng = Engine(path, n_ctx=1024, budget=0.5, gate="always", threads=THREADS)
     chat = ChatSession(eng)
     turn = chat.send(DOC + "\nWhat is the secret code of the blue door?", max_tokens=12)
     "".join(turn)
@@ -38,7 +39,7 @@ def test_evicted_chat_continues_identically_after_load(smollm2_path, tmp_path):
         turn = chat.send("Repeat the code.", max_tokens=12)
         "".join(turn)
         want = turn.result.tokens
-    with Engine(smollm2_path, n_ctx=2048, budget=0.5, gate="always", threads=THREADS) as eng2:
+    with Engine(smollm2_path, n_ctx=1024, budget=0.5, gate="always", threads=THREADS) as eng2:
         chat2 = ChatSession(eng2)
         settings = chat2.load(f)
         assert settings == {"budget": 0.5}
