@@ -11,7 +11,7 @@ from rich.console import Console
 from page_local.cli.repl import Repl
 from page_local.engine.engine import Engine
 
-# about 1 400 tokens: three batches of n_batch 512
+# about 1 600 tokens: four batches of n_batch 512 (the test counts at least 4 progress calls)
 LONG = " ".join(f"Shelf {i} holds {i % 7 + 2} blue jars and {i % 5 + 1} brown bottles." for i in range(100))
 
 
