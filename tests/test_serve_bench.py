@@ -35,6 +35,7 @@ def test_the_plan_mixes_streams_gates_and_sampling():
 
 def test_bench_serve_json(smollm2_path, monkeypatch):
     monkeypatch.delenv("PAGE_LOCAL_MODEL", raising=False)
+    monkeypatch.setenv("PAGE_LOCAL_PEER_BIN", "")  # the load test alone (the side by side: below)
     res = CliRunner().invoke(bench_serve_cmd, ["--clients", "2", "--requests", "4", "--max-tokens", "4",
                                                "--parallel", "2", "--n-ctx", "512", "--threads", "1", "--json"])
     assert res.exit_code == 0, res.output
@@ -45,3 +46,34 @@ def test_bench_serve_json(smollm2_path, monkeypatch):
     assert r["ttft_p50_s"] is not None and r["tokens_per_s"] > 0 and r["load_tokens"] > 0
     assert r["cached_tokens"] > 0  # the second turns reused the first
     assert r["rss_first_bytes"] > 0 and r["memory_ok"] is True
+
+
+def test_no_load_test_without_a_stock_server_says_how_to_build_one(smollm2_path, monkeypatch):
+    monkeypatch.delenv("PAGE_LOCAL_MODEL", raising=False)
+    monkeypatch.setenv("PAGE_LOCAL_PEER_BIN", "")
+    res = CliRunner().invoke(bench_serve_cmd, ["--no-load-test", "--json"])
+    assert res.exit_code == 2
+    assert "no stock llama-server" in res.output and "make peer-server" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_side_by_side_with_stock_llama_server(smollm2_path):
+    """page-local serve and stock llama-server (build-peer/bin, `make peer-server`), 1 and 2 clients, at a
+    tiny size: every request answered by every server, the ratios and the memory of 2 slots against one."""
+    from page_local.bench.stock import find_bin
+    from page_local.serve import peer
+
+    bin_dir = find_bin()
+    if bin_dir is None:
+        pytest.skip("stock llama-server is not built (`make peer-server`)")
+    r = peer.stock_comparison(smollm2_path, bin_dir, parallel=2, clients=(1, 2), reps=1, turns=2, max_tokens=4,
+                              n_ctx=512, threads=1)
+    assert set(r["runs"]) == {"page-local --parallel 2", "stock fa on", "stock fa off"}
+    for run in r["runs"].values():
+        for c in ("1", "2"):
+            assert run[c]["tokens_per_s"] > 0 and run[c]["ttft_p50_s"] > 0
+    for c in ("1", "2"):
+        assert r["ratios"][c]["tokens_per_s_vs_stock_best"] > 0 and r["ratios"][c]["ttft_vs_stock_best"] > 0
+    # one model for both slots: two slots hold one copy of the weights, so less than twice one slot's memory
+    assert 1.0 < r["rss_parallel_vs_one"] < 2.0
+    assert "1 client(s)" in peer.describe_stock(r)

@@ -3,6 +3,7 @@
   1. Engines built on a loaded Model borrow it: each has its own context, closing one leaves the Model (and
      the other engine) working, and a closed Model is refused with a clear error;
   2. the Backend loads the model once: every slot's engine holds the same Model, closed once with the slots;
+  2b. the slots take turns on the CPU (native/runtime.Turns): a prefill alone, decode steps together;
   3. a live server with --parallel 2 maps the GGUF file once (one copy of the weights, not one per slot),
      and two concurrent requests, one per slot, give the greedy answers a single engine gives.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from page_local.engine.engine import Engine
-from page_local.native.runtime import Model
+from page_local.native.runtime import Model, Turns
 
 N_CTX = 512
 
@@ -65,9 +66,67 @@ def test_the_backend_loads_one_model_for_its_slots(smollm2_path):
         assert [s.engine.model for s in backend.slots] == [model, model]
         assert all(s.engine.model is model for s in backend.slots)
         assert backend.slots[0].engine.ctx.ptr != backend.slots[1].engine.ctx.ptr
+        assert isinstance(model.compute_turns, Turns)  # the slots' prefills take turns on the cores
     finally:
         backend.close()
     assert model.closed and backend.model is None  # closed once, after the slots' engines
+
+
+# --- 2b. the slots' turns on the CPU: prefills alone, decode steps together --------------------------
+
+def _holder(turns: Turns, alone: bool, inside: threading.Event, leave: threading.Event) -> threading.Thread:
+    def run():
+        with turns.take(alone=alone):
+            inside.set()
+            leave.wait(10)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_decode_steps_share_the_cores():
+    turns = Turns()
+    a_in, b_in, leave = threading.Event(), threading.Event(), threading.Event()
+    workers = [_holder(turns, False, a_in, leave), _holder(turns, False, b_in, leave)]
+    assert a_in.wait(5) and b_in.wait(5)  # both inside at once
+    leave.set()
+    for w in workers:
+        w.join(5)
+
+
+def test_a_prefill_runs_alone_and_is_not_starved_by_decode_steps():
+    turns = Turns()
+    d_in, d_leave = threading.Event(), threading.Event()
+    decode = _holder(turns, False, d_in, d_leave)
+    assert d_in.wait(5)
+    p_in, p_leave = threading.Event(), threading.Event()
+    prefill = _holder(turns, True, p_in, p_leave)
+    assert not p_in.wait(0.3)  # it waits for the running decode step
+    late_in, late_leave = threading.Event(), threading.Event()
+    late = _holder(turns, False, late_in, late_leave)
+    assert not late_in.wait(0.3)  # a new decode step waits behind the waiting prefill
+    d_leave.set()
+    assert p_in.wait(5)  # the prefill goes first ...
+    assert not late_in.wait(0.3)  # ... alone
+    p_leave.set()
+    assert late_in.wait(5)  # then the decode step
+    late_leave.set()
+    for w in (decode, prefill, late):
+        w.join(5)
+
+
+def test_two_prefills_do_not_overlap():
+    turns = Turns()
+    a_in, a_leave, b_in, b_leave = (threading.Event() for _ in range(4))
+    a = _holder(turns, True, a_in, a_leave)
+    assert a_in.wait(5)
+    b = _holder(turns, True, b_in, b_leave)
+    assert not b_in.wait(0.3)
+    a_leave.set()
+    assert b_in.wait(5)
+    b_leave.set()
+    for w in (a, b):
+        w.join(5)
 
 
 # --- 3. a live server with two slots ----------------------------------------------------------------

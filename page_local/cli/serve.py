@@ -210,11 +210,22 @@ def serve_cmd(model, budget, evictor, gate, verify_tokens, on_full, n_ctx, threa
               help="Instead of the load test: page-local serve next to llama-cpp-python's own server, run by "
                    "PYTHON (a venv with llama-cpp-python[server]): time to first token on turn 6 of a chat, "
                    "throughput with 4 clients, as ratios.")
+@click.option("--peer-bin", "peer_bin", default=None, metavar="DIR",
+              help="Folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin, which `make "
+                   "peer-server` builds). When there is one, the load test is followed by page-local next to it: "
+                   "the same --parallel, n_ctx per slot and threads, 1, 2, 4 and 8 clients (and --clients).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
+              help="Repetitions of the side by side with stock llama-server (medians).")
+@click.option("--no-load-test", "no_load_test", is_flag=True,
+              help="Only the side by side with stock llama-server.")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON line")
-def bench_serve_cmd(model, clients, n_requests, max_tokens, parallel, n_ctx, threads, peer_python, as_json):
+def bench_serve_cmd(model, clients, n_requests, max_tokens, parallel, n_ctx, threads, peer_python, peer_bin, repeats,
+                    no_load_test, as_json):
     """Load test of `page-local serve` (started here, twice): every request served alone first, then
     the same requests from concurrent clients (streamed and not, mixed gates); answers compared,
-    time to first token, throughput, the server's memory."""
+    time to first token, throughput, the server's memory. Then, when stock llama-server is built, both
+    servers side by side: throughput and time to first token for 1-8 clients, memory of N slots."""
+    from page_local.bench.stock import find_bin
     from page_local.serve.bench import describe, serve_benchmark
 
     path = resolve_model(model)
@@ -228,8 +239,29 @@ def bench_serve_cmd(model, clients, n_requests, max_tokens, parallel, n_ctx, thr
         click.echo(json.dumps(res) if as_json else peer.describe(res))
         return
     with one_line_errors():
-        res = serve_benchmark(path, clients=clients, requests=n_requests, max_tokens=max_tokens, parallel=parallel,
-                              n_ctx=n_ctx, threads=threads, progress=say)
-    click.echo(json.dumps(res) if as_json else describe(res))
-    if res["errors"] or res["mismatches"]:
+        stock_bin = find_bin(peer_bin)
+    if no_load_test and stock_bin is None:
+        fail("--no-load-test: there is no stock llama-server to compare with; `make peer-server` builds it "
+             "(or give --peer-bin DIR)", 2)
+    res: dict = {}
+    if not no_load_test:
+        with one_line_errors():
+            res = serve_benchmark(path, clients=clients, requests=n_requests, max_tokens=max_tokens,
+                                  parallel=parallel, n_ctx=n_ctx, threads=threads, progress=say)
+        if not as_json:
+            click.echo(describe(res))
+    if stock_bin is not None:
+        from page_local.serve import peer
+
+        with one_line_errors():
+            res["stock"] = peer.stock_comparison(
+                path, stock_bin, parallel=parallel, clients=tuple(sorted({*peer.CLIENT_COUNTS, clients})),
+                reps=repeats, max_tokens=max_tokens, n_ctx=n_ctx, threads=threads, progress=say)
+        if not as_json:
+            click.echo(peer.describe_stock(res["stock"]))
+    elif not as_json:
+        click.echo("stock llama-server: not built (`make peer-server`), not compared")
+    if as_json:
+        click.echo(json.dumps(res))
+    if res.get("errors") or res.get("mismatches"):
         fail(f"{res['errors']} error(s) and {res['mismatches']} answer(s) that differ from the request served alone", 1)

@@ -15,7 +15,9 @@ next decode, and the process goes on (a local engine still loads and runs).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import threading
 import os
 import re
 from dataclasses import dataclass
@@ -153,6 +155,9 @@ class Model:
         self.rpc = rpc_mod.default_rpc() if rpc is None else rpc_mod.parse_rpc(rpc)
         n_gpu = default_n_gpu_layers(bool(self.rpc)) if n_gpu_layers is None else parse_n_gpu_layers(n_gpu_layers)
         self.path = check_gguf(path)
+        # Contexts on this model that share the CPU's cores (the server's slots) set a Turns here: a batch
+        # of several tokens (a prefill) then runs alone, single-token decode steps run together
+        self.compute_turns = None
         lc = native.llama_cpp()
         from llama_cpp import _internals
 
@@ -272,6 +277,40 @@ class Model:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Turns:
+    """Who computes on a model's shared CPU cores: many at once (single-token decode steps, which leave
+    the cores idle between their small kernels) or one alone (a batch of several tokens: a prefill, which
+    keeps every core busy, so another slot's work beside it only slows it down). A waiting `alone` comes
+    before new shared entrants, so a prefill is not starved by a stream of decode steps."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._shared = 0  # decode steps running
+        self._alone = False  # a batch running alone
+        self._waiting_alone = 0
+
+    @contextlib.contextmanager
+    def take(self, alone: bool):
+        with self._cv:
+            if alone:
+                self._waiting_alone += 1
+                self._cv.wait_for(lambda: not self._alone and self._shared == 0)
+                self._waiting_alone -= 1
+                self._alone = True
+            else:
+                self._cv.wait_for(lambda: not self._alone and self._waiting_alone == 0)
+                self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                if alone:
+                    self._alone = False
+                else:
+                    self._shared -= 1
+                self._cv.notify_all()
 
 
 @dataclass(frozen=True)
@@ -409,9 +448,12 @@ class Context:
         """llama_decode of the filled batch; RemoteLost once a server of this model's is gone (the batch's
         outputs then read as zeros, and every later graph fails: the check after the read-back covers both)."""
         remote = self.model.rpc
-        rc = self._lc.llama_decode(self.ptr, b)
-        if remote:  # llama_decode returns before the outputs are read back: wait for them, then ask
-            self._lc.llama_synchronize(self.ptr)
+        turns = self.model.compute_turns
+        with turns.take(alone=b.n_tokens > 1) if turns is not None else contextlib.nullcontext():
+            rc = self._lc.llama_decode(self.ptr, b)
+            if remote:  # llama_decode returns before the outputs are read back: wait for them
+                self._lc.llama_synchronize(self.ptr)
+        if remote:  # then ask
             if gone := rpc_mod.lost(remote):
                 raise RemoteLost(gone)
         if rc != 0:

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import os
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -119,13 +120,15 @@ class Backend:
     def _load(self, on_ready, on_error) -> None:
         from page_local.chat.template import ChatTemplate
         from page_local.engine.engine import Engine
-        from page_local.native.runtime import Model
+        from page_local.native.runtime import Model, Turns
 
         s = self.settings
         try:
             # one copy of the weights for every slot: each slot's engine borrows it (its own context and KV
             # cache), and _close_slots closes it once, after the last engine
             self.model = Model(s.model_path, n_gpu_layers=s.n_gpu_layers)
+            if s.parallel > 1 and os.environ.get("PAGE_LOCAL_SLOT_TURNS", "on") != "off":
+                self.model.compute_turns = Turns()
             for i in range(s.parallel):
                 if self.state == "closed":
                     return

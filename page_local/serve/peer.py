@@ -1,4 +1,16 @@
-"""`page-local bench serve --peer-python PY`: page-local serve next to llama-cpp-python's own server
+"""Peers of `page-local bench serve`, measured side by side in one run.
+
+`stock_comparison()`: page-local serve next to stock llama.cpp's own `llama-server` (built unpatched from
+the same pinned tree by `make peer-server`), both with the same --parallel (llama-server's -np, its -c the
+per-slot n_ctx times the slots), thread count and GGUF, stock on both flash-attention paths (its default
+"auto" is "on" on the CPU). For 1, 2, 4 and 8 concurrent clients, each holding a streamed, greedy 3-turn
+chat (answers sent back, so both servers reuse the conversation's prefix): completion tokens per second
+and the time to first token (p50 over the requests). All servers are started first and measured in turn,
+client count by client count, repetition by repetition (medians), so that whatever else the machine runs
+weighs on each alike. Resident memory is read from /proc once each server is ready and after the run,
+with a page-local `--parallel 1` server beside it for the ratio of N slots to one.
+
+`peer_comparison()`, `page-local bench serve --peer-python PY`: page-local serve next to llama-cpp-python's own server
 (`llama_cpp.server`, its [server] extra), the same GGUF, prompts and thread count, in one run: all
 servers started, then measured in turn, repetition by repetition (medians over the repetitions):
 
@@ -122,4 +134,130 @@ def describe(r: dict) -> str:
                      f"{run[key]} s; {r['clients']} clients {run['tokens_per_s']} tok/s")
     for name, q in r["ratios"].items():
         lines.append(f"  {name} / llama-cpp-python: " + ", ".join(f"{k} {v}" for k, v in q.items()))
+    return "\n".join(lines)
+
+
+# --- stock llama-server ---------------------------------------------------------------------------
+
+CLIENT_COUNTS = (1, 2, 4, 8)
+
+
+def stock_server(bin_dir: Path, model: Path, parallel: int, n_ctx: int, threads: int, flash_attn: str) -> Server:
+    """llama-server with `parallel` slots of n_ctx tokens each (its -c is the total), its prompt cache on
+    (its default), a random key."""
+    port, key = free_port(), secrets.token_hex(16)
+    cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(n_ctx * parallel), "-np", str(parallel), "-t", str(threads), "-tb", str(threads),
+           "-fa", flash_attn, "--no-webui", "--api-key", key]
+    return Server(cmd, port, key, ready_path="/health")
+
+
+def rss_of(pid: int) -> int | None:
+    """Resident memory of a process in bytes (VmRSS), None where /proc is not there."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def measure_clients(srv: Server, clients: int, round_: int, turns: int, max_tokens: int) -> dict:
+    """`clients` concurrent streamed greedy chats of `turns` turns on one server; round_ makes the chats'
+    first messages new (no cache from an earlier measurement is reused)."""
+    per: list[list[Outcome]] = [[] for _ in range(clients)]
+    workers = [threading.Thread(target=run_chat, args=(
+        srv.port, srv.key, [Spec(client=c, turn=t, stream=True, gate=None, temperature=0.0, seed=0, round=round_)
+                            for t in range(turns)], max_tokens, per[c])) for c in range(clients)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - t0
+    done = [o for p in per for o in p]
+    ok = [o for o in done if o.text is not None]
+    tokens = sum(o.completion_tokens for o in ok)
+    ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
+    return {"tok_s": tokens / wall if wall > 0 else None, "ttft_p50": statistics.median(ttft) if ttft else None,
+            "tokens": tokens, "errors": [o.error for o in done if o.text is None]}
+
+
+def stock_comparison(model: Path, bin_dir: Path, parallel: int = 4, clients: tuple[int, ...] = CLIENT_COUNTS,
+                     reps: int = 3, turns: int = 3, max_tokens: int = 32, n_ctx: int = 4096, threads: int = 2,
+                     progress: Callable[[str], None] | None = None) -> dict:
+    say = progress or (lambda m: None)
+    common = {"n_ctx": n_ctx, "threads": threads, "queue": max(clients) + 1}
+    # started one after another: a page-local server's first-use attention tuning (when this machine has
+    # none stored) must not share the CPU with another's
+    makers = {f"page-local --parallel {parallel}": lambda: page_local_server(model, parallel=parallel, **common),
+              "stock fa on": lambda: stock_server(bin_dir, model, parallel, n_ctx, threads, "on"),
+              "stock fa off": lambda: stock_server(bin_dir, model, parallel, n_ctx, threads, "off"),
+              "page-local --parallel 1": lambda: page_local_server(model, parallel=1, **common)}
+    started: dict[str, Server] = {}
+    rss: dict[str, dict] = {}
+    try:
+        for name, make in makers.items():
+            say(f"starting {name}")
+            started[name] = make()
+            started[name].wait_ready()
+            rss[name] = {"ready_bytes": rss_of(started[name].proc.pid)}
+        one = started.pop("page-local --parallel 1")  # memory only: N slots against one
+        one.stop()  # it stays out of the timings
+        servers = started
+        samples: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in clients} for name in servers}
+        round_ = 1
+        for rep in range(reps):
+            for c in clients:
+                round_ += 1
+                for name, srv in servers.items():
+                    say(f"repetition {rep + 1} of {reps}, {c} client(s): {name}")
+                    samples[name][c].append(measure_clients(srv, c, round_, turns, max_tokens))
+        for name, srv in servers.items():
+            rss[name]["after_bytes"] = rss_of(srv.proc.pid)
+    finally:
+        for srv in started.values():
+            srv.stop()
+    bad = {k: e for k, per_c in samples.items() for runs in per_c.values() for r in runs for e in r["errors"][:1]}
+    if bad:
+        raise BenchError(f"requests failed: {bad}")
+    runs = {name: {str(c): {"tokens_per_s": _median([r["tok_s"] for r in rs]),
+                            "ttft_p50_s": _median([r["ttft_p50"] for r in rs]),
+                            "tokens_per_s_runs": [round(r["tok_s"], 2) for r in rs]}
+                   for c, rs in per_c.items()} for name, per_c in samples.items()}
+    pl = f"page-local --parallel {parallel}"
+    stock = {name: r for name, r in runs.items() if name.startswith("stock")}
+    ratios = {}
+    for c in clients:
+        k = str(c)
+        best_tps = max(r[k]["tokens_per_s"] or 0 for r in stock.values())
+        best_ttft = min(r[k]["ttft_p50_s"] or float("inf") for r in stock.values())
+        ratios[k] = {"tokens_per_s_vs_stock_best": _ratio(runs[pl][k]["tokens_per_s"], best_tps),
+                     "tokens_per_s_vs_stock_default": _ratio(runs[pl][k]["tokens_per_s"],
+                                                             runs["stock fa on"][k]["tokens_per_s"]),
+                     "ttft_vs_stock_best": _ratio(runs[pl][k]["ttft_p50_s"], best_ttft)}
+    one_rss = rss["page-local --parallel 1"]["ready_bytes"]
+    mem_ratio = _ratio(rss[pl]["ready_bytes"], one_rss)
+    return {"model": model.name, "parallel": parallel, "clients": list(clients), "reps": reps, "turns": turns,
+            "max_tokens": max_tokens, "n_ctx": n_ctx, "threads": threads, "stock_bin": str(bin_dir),
+            "runs": runs, "ratios": ratios, "rss": rss, "rss_parallel_vs_one": mem_ratio}
+
+
+def describe_stock(r: dict) -> str:
+    mb = 2**20
+    lines = [f"{r['model']}, --parallel {r['parallel']} (stock -np {r['parallel']}), n_ctx {r['n_ctx']} per slot, "
+             f"{r['threads']} threads, {r['turns']}-turn chats, answers of up to {r['max_tokens']} tokens, "
+             f"medians of {r['reps']}:"]
+    for c in r["clients"]:
+        k = str(c)
+        row = "; ".join(f"{name} {run[k]['tokens_per_s']} tok/s, first token {run[k]['ttft_p50_s']} s"
+                        for name, run in r["runs"].items())
+        q = r["ratios"][k]
+        lines.append(f"  {c} client(s): {row}; page-local / stock best: tok/s {q['tokens_per_s_vs_stock_best']}, "
+                     f"first token {q['ttft_vs_stock_best']}")
+    mem = ", ".join(f"{name} {v['ready_bytes'] / mb:.0f} MiB" for name, v in r["rss"].items() if v["ready_bytes"])
+    lines.append(f"  resident memory once ready: {mem}; --parallel {r['parallel']} / --parallel 1: "
+                 f"{r['rss_parallel_vs_one']}")
     return "\n".join(lines)
