@@ -9,7 +9,7 @@ from page_local.engine.engine import Engine
 
 HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 PROMPTS = [
-    HAY * 12 + "One of the special magic numbers for red-fox is: 1234567.\nWhat is the special magic number for red-fox?",
+    HAY * 6 + "One of the special magic numbers for red-fox is: 1234567.\nWhat is the special magic number for red-fox?",
     "Write a short poem about the sea and the wind, in four lines.",
 ]
 
