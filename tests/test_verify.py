@@ -13,10 +13,10 @@ from page_local.verify import RULES, VERIFY_CAP, VERIFY_RULE
 
 THREADS = 1
 HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
-# ~600 tokens: long enough that a 40-cell budget loses the needle and a quarter keeps it (what the tests tell
+# ~520 tokens: long enough that a 40-cell budget loses the needle and a quarter keeps it (what the tests tell
 # apart); every turn prefills it on one thread, so its length is most of this module's time
 NEEDLE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it.\n"
-          + HAY * 12 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 12
+          + HAY * 10 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 10
           + "What is the special magic number for cold-ocean mentioned in the provided text? "
             "The special magic number for cold-ocean mentioned in the provided text is")
 
