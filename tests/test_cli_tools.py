@@ -22,10 +22,11 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 
 def pilot_prompts(n: int = 6) -> list[str]:
-    """n one-line prompts of roughly 100-200 SmolLM2 tokens, different enough for sigma > 0 (each is measured
-    several times on one thread: their length is most of this module's time)."""
+    """n one-line prompts of roughly 80-150 SmolLM2 tokens (more than the probe's window and top-k, 32 each),
+    different enough for sigma > 0 (each is measured several times on one thread: their length is most of
+    this module's time)."""
     rng = random.Random(0)
-    return [f"Report {i}: " + " ".join(rng.choice(WORDS) for _ in range(40 + 15 * i))
+    return [f"Report {i}: " + " ".join(rng.choice(WORDS) for _ in range(35 + 10 * i))
             + ". Which word comes first in the report?" for i in range(n)]
 
 
