@@ -50,10 +50,10 @@ def test_the_target_leaves_room_for_what_comes():
 
 def test_the_speed_budget_is_a_share_of_the_conversation_not_compounded(smollm2_path):
     """Budget 0.5 over three turns: the cells stay about half of the conversation (0.5^k before)."""
-    with Engine(smollm2_path, n_ctx=2048, budget=0.5, gate="always", threads=THREADS) as eng:
+    with Engine(smollm2_path, n_ctx=1024, budget=0.5, gate="always", threads=THREADS) as eng:
         kept = []
         for i in range(3):
-            s = eng.stream(document(6, f"Fact {i}: the code is {1000 + i}.", 0.5) + " What is the code?",
+            s = eng.stream(document(4, f"Fact {i}: the code is {1000 + i}.", 0.5) + " What is the code?",
                            max_tokens=4)
             list(s)
             d = s.decision
