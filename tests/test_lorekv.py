@@ -205,7 +205,7 @@ def _prefilled(model, toks, **cfg):
 def test_futures_leave_no_trace(lk_model):
     """After the lookahead the cache holds exactly what it held, and the next token's logits are
     bit-identical to a run that never looked ahead."""
-    toks = random_tokens(300, seed=5)
+    toks = random_tokens(160, seed=5)  # the cache and the next logits are compared: any length will do
     r = context_out_proj_factors
     plain = _prefilled(lk_model, toks)
     looked = _prefilled(lk_model, toks)
@@ -213,13 +213,13 @@ def test_futures_leave_no_trace(lk_model):
         proj = r(looked, lk_model.n_layer, lk_model.n_head, lk_model.n_embd)
         la = run_lookahead(looked, 0, looked.logits(), LookaheadSpec(futures=4, tokens=8, seed=1), proj,
                            lk_model.is_eog)
-        assert la.cost.shape == (4, lk_model.n_layer, 300) and np.all(la.n_fed >= 1)
+        assert la.cost.shape == (4, lk_model.n_layer, len(toks)) and np.all(la.n_fed >= 1)
         assert np.all(la.cost >= 0) and la.cost.sum() > 0
         for s in range(1, 9):
             assert looked.seq_pos_max(s) == -1  # every future is gone
         np.testing.assert_array_equal(looked.page.positions(0), plain.page.positions(0))
         for ctx in (plain, looked):
-            ctx.decode([toks[-1] + 1], 300, 0)
+            ctx.decode([toks[-1] + 1], len(toks), 0)
         np.testing.assert_array_equal(looked.logits(), plain.logits())
         np.testing.assert_array_equal(looked.page.positions(0), plain.page.positions(0))
     finally:
