@@ -65,14 +65,14 @@ def needle_prompt(n_rep: int, key: str = "sapphire", value: str = "7481920", at:
 def stream_capturing_keep(eng: Engine, prompt, max_tokens: int):
     """Run one turn with stream(); return (Result, positions held when the first piece arrived).
 
-    A piece is yielded after its token is decoded (what the caller saw is in the cache), so at the
-    first piece the cache holds what the turn's eviction kept plus the first generated position."""
+    A piece is yielded before its token is decoded (the token goes in the cache when the stream goes on or
+    is closed), so at the first piece the cache holds exactly what the turn's eviction kept."""
     keep = None
     stream = eng.stream(prompt, max_tokens=max_tokens)
     for _piece in stream:
         if keep is None:
             held = eng.ctx.page.positions(0)
-            keep = held[:-1].copy()  # drop the first generated token's position
+            keep = held.copy()
     return stream.result, keep
 
 

@@ -410,7 +410,8 @@ class Engine(ContextPolicy):
             self.pipeline.progress = None
         stream.decision = dec
 
-        # generation: sample, decode, then yield, so that what the caller has seen is in the cache
+        # generation: sample, yield, then decode; what the caller has seen is in the cache once the stream
+        # goes on or is closed
         sampler = self._sampler(sampling)
         want_lp = sampling.logprobs is not None
         out: list[int] = []
@@ -420,6 +421,7 @@ class Engine(ContextPolicy):
         t0 = time.perf_counter()
         used = self.cells_used()  # kept up to date below: no native scan of the cells per token
         limit = self._pos_limit()
+        pending = None  # (token, position) yielded but not decoded yet
         try:
             for _ in range(max_tokens):
                 if plan is not None:
@@ -441,20 +443,24 @@ class Engine(ContextPolicy):
                         finish = "context"
                         break
                     used, pos = self.cells_used(), ctx.seq_pos_max(0) + 1
+                if want_lp:
+                    stream.logprobs.append(token_logprobs(logits, tok, sampling.logprobs))
+                # the piece goes out before the token is decoded (as llama-server sends it): the first
+                # token is not held back by a decode step; closed at the yield, the token is decoded then
+                piece = decoder.decode(self.model.token_to_piece(tok))
+                pending = (tok, pos)
+                if piece:
+                    yield piece
+                pending = None
                 ctx.decode([tok], pos, 0)
                 used += 1
                 self.history.append(tok)
                 self._pos.append(pos)
                 out.append(tok)
-                if want_lp:
-                    stream.logprobs.append(token_logprobs(logits, tok, sampling.logprobs))
                 if plan is not None and len(out) == self.verify_tokens:  # the cap: decide on what there is
                     self._verify(dec, plan, out, full_logits, until="cap")
                     plan = None
                     used = self.cells_used()
-                piece = decoder.decode(self.model.token_to_piece(tok))
-                if piece:
-                    yield piece
             if plan is not None and out:  # max_tokens or a full context before the cap: check what there is
                 self._verify(dec, plan, out, full_logits[: len(out)], until="length")
                 plan = None
@@ -463,6 +469,12 @@ class Engine(ContextPolicy):
                 yield tail
         except (GeneratorExit, KeyboardInterrupt):
             finish = "interrupted"
+            if pending is not None:  # closed at a piece's yield: what the caller has seen goes in the cache
+                tok, pos = pending
+                ctx.decode([tok], pos, 0)
+                self.history.append(tok)
+                self._pos.append(pos)
+                out.append(tok)
             raise
         finally:
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
