@@ -64,21 +64,25 @@ def measure(srv: Server, gate: str | None, rep: int, turns: int, clients: int, r
                                       temperature=0.0, seed=0) for t in range(turns)], max_tokens, outs)
     errors = [o.error for o in outs if o.text is None]
     ttft = (outs[0].ttft_s, outs[-1].ttft_s) if len(outs) == turns and not errors else (None, None)
-    per: list[list[Outcome]] = [[] for _ in range(clients)]
-    workers = [threading.Thread(target=run_chat, args=(
-        srv.port, srv.key, [Spec(client=base + 1 + c, turn=t, stream=False, gate=gate, temperature=0.0, seed=0)
-                            for t in range(requests)], max_tokens, per[c])) for c in range(clients)]
+    done, wall = concurrent_chats(srv, [[Spec(client=base + 1 + c, turn=t, stream=False, gate=gate, temperature=0.0,
+                                              seed=0) for t in range(requests)] for c in range(clients)], max_tokens)
+    errors += [o.error for o in done if o.text is None]
+    tokens = sum(o.completion_tokens for o in done if o.text is not None)
+    return {"ttft_first": ttft[0], "ttft_last": ttft[1], "tok_s": tokens / wall if wall > 0 else None,
+            "errors": errors}
+
+
+def concurrent_chats(srv: Server, chats: list[list[Spec]], max_tokens: int) -> tuple[list[Outcome], float]:
+    """Each chat in its own client thread, all at once: every request's Outcome, and the wall time."""
+    per: list[list[Outcome]] = [[] for _ in chats]
+    workers = [threading.Thread(target=run_chat, args=(srv.port, srv.key, specs, max_tokens, per[c]))
+               for c, specs in enumerate(chats)]
     t0 = time.perf_counter()
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    wall = time.perf_counter() - t0
-    done = [o for p in per for o in p]
-    errors += [o.error for o in done if o.text is None]
-    tokens = sum(o.completion_tokens for o in done if o.text is not None)
-    return {"ttft_first": ttft[0], "ttft_last": ttft[1], "tok_s": tokens / wall if wall > 0 else None,
-            "errors": errors}
+    return [o for p in per for o in p], time.perf_counter() - t0
 
 
 def peer_comparison(model: Path, peer_python: str, turns: int = 6, reps: int = 3, clients: int = 4,
@@ -167,17 +171,9 @@ def rss_of(pid: int) -> int | None:
 def measure_clients(srv: Server, clients: int, round_: int, turns: int, max_tokens: int) -> dict:
     """`clients` concurrent streamed greedy chats of `turns` turns on one server; round_ makes the chats'
     first messages new (no cache from an earlier measurement is reused)."""
-    per: list[list[Outcome]] = [[] for _ in range(clients)]
-    workers = [threading.Thread(target=run_chat, args=(
-        srv.port, srv.key, [Spec(client=c, turn=t, stream=True, gate=None, temperature=0.0, seed=0, round=round_)
-                            for t in range(turns)], max_tokens, per[c])) for c in range(clients)]
-    t0 = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    wall = time.perf_counter() - t0
-    done = [o for p in per for o in p]
+    done, wall = concurrent_chats(srv, [[Spec(client=c, turn=t, stream=True, gate=None, temperature=0.0, seed=0,
+                                              round=round_) for t in range(turns)] for c in range(clients)],
+                                  max_tokens)
     ok = [o for o in done if o.text is not None]
     tokens = sum(o.completion_tokens for o in ok)
     ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
