@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import os
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -485,12 +484,15 @@ class Turn:
         self.cancel.set()
 
 
-def rss_bytes() -> int | None:
-    """This process's resident memory (Linux: /proc/self/statm; elsewhere the peak, from getrusage)."""
+def rss_bytes(pid: int | None = None) -> int | None:
+    """Resident memory of this process, or of process pid (Linux: /proc/PID/statm; elsewhere this process's
+    peak, from getrusage, and None for another process)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
+        if pid is not None:
+            return None
         try:
             import resource
             import sys

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from page_local.errors import BenchError
+from page_local.serve.backend import rss_bytes
 from page_local.serve.bench import (
     Outcome,
     Server,
@@ -156,18 +157,6 @@ def stock_server(bin_dir: Path, model: Path, parallel: int, n_ctx: int, threads:
     return Server(cmd, port, key, ready_path="/health")
 
 
-def rss_of(pid: int) -> int | None:
-    """Resident memory of a process in bytes (VmRSS), None where /proc is not there."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def measure_clients(srv: Server, clients: int, round_: int, turns: int, max_tokens: int) -> dict:
     """`clients` concurrent streamed greedy chats of `turns` turns on one server; round_ makes the chats'
     first messages new (no cache from an earlier measurement is reused)."""
@@ -199,7 +188,7 @@ def stock_comparison(model: Path, bin_dir: Path, parallel: int = 4, clients: tup
             say(f"starting {name}")
             started[name] = make()
             started[name].wait_ready()
-            rss[name] = {"ready_bytes": rss_of(started[name].proc.pid)}
+            rss[name] = {"ready_bytes": rss_bytes(started[name].proc.pid)}
         one = started.pop("page-local --parallel 1")  # memory only: N slots against one
         one.stop()  # it stays out of the timings
         servers = started
@@ -212,7 +201,7 @@ def stock_comparison(model: Path, bin_dir: Path, parallel: int = 4, clients: tup
                     say(f"repetition {rep + 1} of {reps}, {c} client(s): {name}")
                     samples[name][c].append(measure_clients(srv, c, round_, turns, max_tokens))
         for name, srv in servers.items():
-            rss[name]["after_bytes"] = rss_of(srv.proc.pid)
+            rss[name]["after_bytes"] = rss_bytes(srv.proc.pid)
     finally:
         for srv in started.values():
             srv.stop()
