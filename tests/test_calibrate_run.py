@@ -5,9 +5,12 @@ Before calibration `run` uses the raw rule (z null); `calibrate` stores mu and s
 std, ddof 0, of its D values); afterwards `run` on the same prompt measures the same D and reports
 rule "calibrated" with z = (D - mu)/sigma and open iff z >= the z threshold.
 
-The built-in pilot's prompts are 1-2K tokens (only its 1024-token ones fit n_ctx 2048), so calibrating
-is one long prefill per prompt on one thread, ~25 s each on a loaded 2-core AMD EPYC: the test calibrates
-on N_PILOT = 6 of them, one full cycle of the pilot's mix of tasks (calibrate's own default is 100).
+The built-in pilot's prompts are 1-3K tokens (only its 1024-token ones fit n_ctx 2048), so calibrating
+is one long prefill per prompt on one thread, ~15-25 s each on a 2-core AMD EPYC: the test calibrates on
+N_PILOT = 3 of them (calibrate's own default is 100): the needle and the two multi-key tasks, three distinct
+drops for numpy's mean and std. That the rest of the pilot's cycle (vt, fwe, prose) fits n_ctx 2048 as
+calibrate frames it is checked on the tokenizer (test_every_pilot_task_fits_the_test_context), without
+a prefill.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-SMALL = ["--n-ctx", "2048", "--threads", "1"]
+N_CTX = 2048
+SMALL = ["--n-ctx", str(N_CTX), "--threads", "1"]
 PAGE = ["--gate", "page"]  # run: the PAGE rule is what calibration changes (the default gate is verify)
 FACTS = ("The lighthouse on Gull Island was built in 1874 by a crew of eleven masons from Aberdeen. Its lamp "
          "burned whale oil until 1902, then kerosene until 1931, when an electric lamp replaced it. The keeper's "
@@ -34,7 +38,7 @@ FACTS = ("The lighthouse on Gull Island was built in 1874 by a crew of eleven ma
          "added in 1890 and replaced by a horn in 1925. The island has no trees, a small harbour on its eastern "
          "side, and a colony of puffins that nests on the northern cliffs every spring. ")
 PROMPT = FACTS + "\n\nQuestion: in which year was the lighthouse automated? Answer with the year only."
-N_PILOT = 6  # the built-in pilot cycles through 6 tasks (needle, multi-key x2, vt, fwe, prose): each once
+N_PILOT = 3  # the built-in pilot cycles through 6 tasks (needle, multi-key x2, vt, fwe, prose): the first 3
 
 
 def command() -> list[str]:
@@ -108,3 +112,22 @@ def test_calibrate_then_run_reports_z(page_local, tmp_path):
     assert "--lengths" in d["gate_note"] and d["gate_note"] in d["reason"]
     assert out["finish_reason"] in ("stop", "length")
     assert isinstance(out["text"], str) and out["tokens_per_s"] >= 0
+
+
+def test_every_pilot_task_fits_the_test_context(smollm2_path):
+    """One full cycle of the built-in pilot (its six tasks at 1024 tokens), framed as calibrate frames it
+    (chat template) and checked as calibrate checks it, fits n_ctx 2048: the test above measures only the
+    first N_PILOT, and none of the others would have been skipped as too long."""
+    from types import SimpleNamespace
+
+    from page_local.eval.calibrate import builtin_pilot, chat_renderer
+    from page_local.native.runtime import Model
+    from page_local.tasks.synthetic import PILOT_MIX
+
+    with Model(smollm2_path) as model:
+        engine = SimpleNamespace(n_ctx=N_CTX, model=model)  # builtin_pilot reads these two
+        prompts = builtin_pilot(engine, len(PILOT_MIX), render=chat_renderer(model))
+        tokens = [len(model.tokenize(p, add_special=True)) for p in prompts]
+    assert len(prompts) == len(PILOT_MIX) == 6
+    assert all(700 <= t and t + 1 <= N_CTX for t in tokens), tokens  # calibrate's fit: tokens + 1 <= n_ctx
+    assert all(t <= 1024 for t in tokens), tokens  # the 1024-token length only: 2048 + 128 > n_ctx
