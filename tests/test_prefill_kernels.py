@@ -1,9 +1,11 @@
-"""page-local's prefill matmul for Q4_1 weights (csrc/upstream.patch, ggml-cpu.c and arch/x86/quants.c).
+"""page-local's prefill kernels (csrc/upstream.patch, docs/design.md section 6.2): the Q4_1 matmul
+(ggml-cpu.c, arch/x86/quants.c) and the conversions in flash attention's tiled prefill kernel (ops.cpp).
 
-On x86 with AVX2 a prompt's Q4_1 matmuls take one weight row against four tokens per pass; each output is
+On x86 with AVX2 a prompt's Q4_1 matmuls take one weight row against four tokens per pass, and the tiled
+flash-attention kernel converts its mask and K rows with ggml's vector F16->F32 routine; each output is
 computed with llama.cpp's own operations in llama.cpp's order, so a prompt's logits must be bit-identical
-with the kernel and with llama.cpp's loop ($PAGE_LOCAL_MATMUL=llama.cpp, read once per process: hence one
-subprocess per side). Lengths are chosen to leave remainders: 301 tokens (not a multiple of 4 or 16) and a
+with page-local's code and with llama.cpp's ($PAGE_LOCAL_MATMUL=llama.cpp, $PAGE_LOCAL_FA_KERNEL=llama.cpp,
+read once per process: hence one subprocess per side). Lengths are chosen to leave remainders: 301 tokens (not a multiple of 4 or 16) and a
 follow-up batch of 7 after 2 single-token steps, on the embedded SmolLM2 (Q4_1).
 """
 
@@ -40,22 +42,28 @@ print(json.dumps(out))
 """
 
 
-def _logit_digests(model: str, fa: str, matmul: str | None) -> dict:
-    env = dict(os.environ)
-    env.pop("PAGE_LOCAL_MATMUL", None)
-    if matmul:
-        env["PAGE_LOCAL_MATMUL"] = matmul
+SWITCHES = ("PAGE_LOCAL_MATMUL", "PAGE_LOCAL_FA_KERNEL")
+
+
+def _logit_digests(model: str, fa: str, llama_cpps: str | None) -> dict:
+    """llama_cpps: the switch set to llama.cpp's code, or None for page-local's."""
+    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    if llama_cpps:
+        env[llama_cpps] = "llama.cpp"
     res = subprocess.run([sys.executable, "-c", SCRIPT, model, fa], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("fa", ["on", "off"])
-def test_the_prefill_kernel_gives_llama_cpps_logits_bit_for_bit(smollm2_path, fa):
+@pytest.mark.parametrize("fa,switch", [("on", "PAGE_LOCAL_MATMUL"), ("off", "PAGE_LOCAL_MATMUL"),
+                                       ("on", "PAGE_LOCAL_FA_KERNEL")])
+def test_the_prefill_kernels_give_llama_cpps_logits_bit_for_bit(smollm2_path, fa, switch):
     ours = _logit_digests(str(smollm2_path), fa, None)
-    theirs = _logit_digests(str(smollm2_path), fa, "llama.cpp")
-    assert ours == theirs
+    theirs = _logit_digests(str(smollm2_path), fa, switch)
+    assert ours["prompt"] == theirs["prompt"]
+    if switch == "PAGE_LOCAL_MATMUL":  # the FA switch also swaps the one-token decode kernel (section 6.1),
+        assert ours["batch7"] == theirs["batch7"]  # whose F32 sums differ: the batch after two steps does
 
 
 def _avx2() -> bool:
