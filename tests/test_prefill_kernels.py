@@ -11,6 +11,7 @@ follow-up batch of 7 after 2 single-token steps, on the embedded SmolLM2 (Q4_1).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -45,6 +46,7 @@ print(json.dumps(out))
 SWITCHES = ("PAGE_LOCAL_MATMUL", "PAGE_LOCAL_FA_KERNEL")
 
 
+@functools.lru_cache(maxsize=None)  # page-local's own digests serve every switch's comparison
 def _logit_digests(model: str, fa: str, llama_cpps: str | None) -> dict:
     """llama_cpps: the switch set to llama.cpp's code, or None for page-local's."""
     env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
