@@ -142,6 +142,10 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
     # long answer can part after its first tokens)
     agree = {s: next((i for i, (a, b) in enumerate(zip(theirs[s], mine_tokens)) if a != b),
                      min(len(theirs[s]), len(mine_tokens))) for s in stock.SETTINGS}
+    # stock's own two paths round differently too: how far their greedy tokens agree with each other says
+    # whether a parting of page-local's is its own or one any change of path makes
+    stock_agree = next((i for i, (a, b) in enumerate(zip(theirs["on"], theirs["off"])) if a != b),
+                       min(len(theirs["on"]), len(theirs["off"])))
     best_dec = max(stock.SETTINGS, key=lambda s: paths[s]["decode_tok_s"])
     best_ttft = min(stock.SETTINGS, key=lambda s: paths[s]["ttft_s"])
     dflt = paths["on"]  # llama.cpp's flash_attn "auto" resolves to on for the CPU backend and GPUs
@@ -166,6 +170,7 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
         "ttft_vs_stock_best": round(paths[best_ttft]["ttft_s"] / mine["prefill_s"], 4),
         "same_full_tokens_as_stock": same,
         "tokens_agreeing_with_stock": agree,
+        "stock_paths_agreeing_tokens": stock_agree,
         "stock_paths": paths,
     })
     return out

@@ -91,7 +91,8 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, 
                      f"page-local / stock best: TTFT {r['ttft_vs_stock_best']:.2f}x as fast, full cache "
                      f"{r['full_vs_stock_best']:.2f}x, evicted {r['evicted_vs_stock_best']:.2f}x "
                      f"({r['evicted_vs_stock_default']:.2f}x the default); same greedy tokens as stock (full "
-                     f"cache): {r['same_full_tokens_as_stock']}; gate decision {r['gate_ms']:.2f} ms; "
+                     f"cache): {r['same_full_tokens_as_stock']} (tokens agreeing: {r['tokens_agreeing_with_stock']}; stock's "
+                     f"two paths with each other: {r['stock_paths_agreeing_tokens']}); gate decision {r['gate_ms']:.2f} ms; "
                      f"{describe_placement(r['device'])}")
 
 
