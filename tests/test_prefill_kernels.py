@@ -104,6 +104,7 @@ print(json.dumps(rows))
 """
 
 
+@functools.lru_cache(maxsize=None)  # the f16 cache's logits serve both quantized types' comparisons
 def _quant_logits(model: str, ct: str, llama_cpps: bool) -> np.ndarray:
     env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
     if llama_cpps:
@@ -111,7 +112,9 @@ def _quant_logits(model: str, ct: str, llama_cpps: bool) -> np.ndarray:
     res = subprocess.run([sys.executable, "-c", QUANT_SCRIPT, model, ct], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    return np.array(json.loads(res.stdout.strip().splitlines()[-1]), dtype=np.float64)
+    out = np.array(json.loads(res.stdout.strip().splitlines()[-1]), dtype=np.float64)
+    out.flags.writeable = False  # shared between tests
+    return out
 
 
 def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:

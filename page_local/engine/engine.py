@@ -81,6 +81,9 @@ class Stream:
         return bool(getattr(self._gen, "gi_running", False))
 
 
+MIN_BATCH = 64  # Engine(n_batch=...): room for the probe's window (turn.W tokens) in one batch
+
+
 class Engine(ContextPolicy):
     """A model, a context and the PAGE pipeline. Not thread-safe: use one engine per thread."""
 
@@ -92,10 +95,15 @@ class Engine(ContextPolicy):
                  verify_rule: str = VERIFY_RULE, compact: bool = True,
                  n_gpu_layers: int | str | None = None, allow_long_context: bool = False,
                  on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
-                 tune_progress=None):
+                 tune_progress=None, n_batch: int = 512):
         """model: a GGUF path, None for the embedded default, or a loaded native Model that several engines
         share (a server's slots: one copy of the weights). A shared Model is borrowed: close() leaves it to
-        its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own."""
+        its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own.
+        n_batch: the most prompt tokens decoded at once (llama.cpp's -b; a prefill's progress is reported and can be
+        stopped between batches), at least 64 (the probe's window rides on one batch); the physical batch is
+        min(n_batch, 512)."""
+        if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < MIN_BATCH:
+            raise ValueError(f"n_batch must be an int of at least {MIN_BATCH}, got {n_batch!r}")
         shared = model if isinstance(model, Model) else None
         if shared is not None and shared.closed:
             raise ValueError("the shared Model is closed")
@@ -127,7 +135,8 @@ class Engine(ContextPolicy):
         try:
             self.attention, self.attention_warning = attention.choose(path, self.model, threads, n_ctx, flash_attn,
                                                                       type_kv, autotune, tune_progress)
-            self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads,
+            self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, n_batch=n_batch,
+                                                         n_ubatch=min(n_batch, 512),
                                                          flash_attn=self.attention.flash_attn,
                                                          type_kv=self.attention.cache_type, n_seq_max=1 + MAX_FUTURES,
                                                          allow_long_context=allow_long_context))
