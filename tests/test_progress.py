@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import io
 
-from rich.console import Console
-
 import pytest
+from rich.console import Console
 
 from page_local.cli.repl import Repl, _Reading
 from page_local.engine.engine import Engine
