@@ -136,7 +136,7 @@ class Engine(ContextPolicy):
             self.attention, self.attention_warning = attention.choose(path, self.model, threads, n_ctx, flash_attn,
                                                                       type_kv, autotune, tune_progress)
             self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, n_batch=n_batch,
-                                                         n_ubatch=min(n_batch, 512),
+                                                         n_ubatch=min(n_batch, ContextConfig.n_ubatch),
                                                          flash_attn=self.attention.flash_attn,
                                                          type_kv=self.attention.cache_type, n_seq_max=1 + MAX_FUTURES,
                                                          allow_long_context=allow_long_context))
