@@ -37,7 +37,8 @@ pytest.importorskip("uvicorn", reason="the [serve] extra is not installed")
 pytest.importorskip("sse_starlette", reason="the [serve] extra is not installed")
 
 from page_local.serve.bench import free_port
-from page_local.serve.protocol import ApiError, StopScanner, parse_job
+from page_local.serve.errors import ApiError
+from page_local.serve.protocol import StopScanner, parse_job
 from page_local.serve.slots import Cached, SnapshotCache, common_prefix, usable_prefix
 
 KEY = "test-key-0123456789"
@@ -509,7 +510,7 @@ def test_cors_when_asked_for():
 
 
 def test_a_mid_stream_error_is_a_frame_then_done():
-    from page_local.serve.app import _sse
+    from page_local.serve.openai import sse
     from page_local.serve.protocol import Job
 
     class FakeTurn:
@@ -524,7 +525,7 @@ def test_a_mid_stream_error_is_a_frame_then_done():
 
     async def frames():
         turn = FakeTurn([("error", ApiError(500, "llama_decode failed", "internal_error"))])
-        out = [e.data async for e in _sse(turn, ("text", "Hel"), Job("chat", "m"), "chat", "chatcmpl-1", 0, "m")]
+        out = [e.data async for e in sse(turn, ("text", "Hel"), Job("chat", "m"), "chat", "chatcmpl-1", 0, "m")]
         return out, turn.closed
 
     out, closed = asyncio.run(frames())

@@ -1,9 +1,7 @@
-"""The HTTP face: a Starlette app with the OpenAI routes, with and without the /v1 prefix.
+"""The HTTP face: the Starlette app assembled from the routes, the guards and the error handlers.
 
     GET  /health                  200 {"status": "ok"} when ready, 503 while loading (no key needed)
-    GET  /v1/models               the served model (and /v1/models/{id})
-    POST /v1/chat/completions     chat, streamed (SSE) or not
-    POST /v1/completions          plain text, streamed or not
+    /v1/models, /v1/chat/completions, /v1/completions   OpenAI's routes (openai.py)
     POST /v1/embeddings           the served model's mean-pooled hidden states (model_routes.py)
     POST /tokenize, /detokenize   llama-server's token routes (model_routes.py)
     GET  /v1/page_local/stats     slots, queue, conversation cache, counts, resident memory
@@ -23,73 +21,18 @@ its generation within one token; its slot is free again as soon as the slot's th
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import asynccontextmanager
 
-from page_local.serve import model_routes, ollama, protocol
-from page_local.serve.backend import Backend, Turn
-from page_local.serve.guards import (
-    NO_KEY,
-    HostGuard,
-    HostPolicy,
-    JsonOnly,
-    KeyGuard,
-    OriginGuard,
-    OriginPolicy,
-)
+from page_local.serve import model_routes, ollama, openai, web
+from page_local.serve.backend import Backend
+from page_local.serve.errors import ApiError
+from page_local.serve.guards import HostGuard, HostPolicy, JsonOnly, KeyGuard, OriginGuard, OriginPolicy
+from page_local.serve.http import error_response, namespace
 from page_local.serve.metrics import HttpMetrics
-from page_local.serve.protocol import ApiError
-
-
-class _Gone(Exception):
-    """The client disconnected while its request was waiting or running."""
-
-
-def error_response(e: ApiError):
-    from starlette.responses import JSONResponse
-
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-async def _read_body(request, limit: int) -> bytes:
-    too_big = ApiError(413, f"the request body is over this server's limit of {limit} bytes", "request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_big
-        chunks.append(part)
-    return b"".join(chunks)
-
-
-async def _unless_gone(request, awaitable):
-    """Await `awaitable` unless the client disconnects first (then _Gone; the awaitable is cancelled)."""
-    async def gone():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(gone())
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if work in done or (work.done() and not work.cancelled() and work.exception() is None):
-        return work.result()  # (a result that came with the disconnect is the caller's to clean up)
-    work.cancel()
-    raise _Gone
 
 
 def create_app(backend: Backend):
     """The ASGI app over a Backend (which the app's lifespan starts loading and closes)."""
-    # sse-starlette is imported here, not with this module: importing it hooks uvicorn's exit handler
-    from sse_starlette.sse import EventSourceResponse
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -108,13 +51,6 @@ def create_app(backend: Backend):
         finally:
             await asyncio.to_thread(backend.close)
 
-    def ready() -> None:
-        if backend.state == "loading":
-            raise ApiError(503, "the model is still loading; retry shortly", "model_loading",
-                           headers={"Retry-After": "1"})
-        if backend.state != "ready":
-            raise ApiError(503, f"the server is not ready: {backend.error or backend.state}", "not_ready")
-
     async def health(request):
         if backend.state == "ready":
             return JSONResponse({"status": "ok"})
@@ -123,71 +59,8 @@ def create_app(backend: Backend):
             body["error"] = backend.error
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
-    def model_card() -> dict:
-        return {"id": s.served_name, "object": "model", "created": backend.loaded_at, "owned_by": "page-local",
-                "page_local": {"file": s.model_path.name, "n_ctx": s.n_ctx, "gate": s.gate, "budget": s.budget,
-                               "evictor": s.evictor, "parallel": s.parallel}}
-
-    async def models(request):
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    async def model_one(request):
-        name = request.path_params["model_id"]
-        if name not in backend.names:
-            raise _unknown_model(name)
-        return JSONResponse(model_card())
-
-    def _unknown_model(name: str) -> ApiError:
-        return ApiError(404, f"the model {name!r} is not served here; this server serves {s.served_name!r}",
-                        "model_not_found", "model")
-
-    def namespace(request) -> str:
-        return getattr(request.state, "namespace", NO_KEY)
-
     async def stats(request):
         return JSONResponse(backend.stats(namespace(request)))
-
-    async def chat(request):
-        return await complete(request, "chat")
-
-    async def completions(request):
-        return await complete(request, "text")
-
-    async def complete(request, kind: str):
-        ready()
-        backend.pool.admit()  # a full queue refuses the request before its body is read
-        job = protocol.parse_job(protocol.parse_json(await _read_body(request, s.max_body_bytes)), kind,
-                                 backend.max_tokens_limit)
-        job.namespace = namespace(request)
-        if job.model and job.model not in backend.names:
-            raise _unknown_model(job.model)
-        tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
-        rid, created = protocol.new_id(kind), protocol.now()
-        try:
-            slot = await _unless_gone(request, backend.pool.acquire(tokens, job.namespace))
-        except _Gone:
-            return Response(status_code=499)
-        turn = Turn(backend, slot, job, tokens, n_keep)
-        name = s.served_name
-        try:
-            # the status line waits for the first event: a request refused after the prefill (the
-            # conversation does not fit) is still a plain 400, not a 200 stream with an error in it
-            first = await _unless_gone(request, turn.next())
-            if first[0] == "error":
-                return error_response(first[1])
-            if job.stream:
-                return EventSourceResponse(_sse(turn, first, job, kind, rid, created, name), ping=0, sep="\n")
-            parts, done = await _unless_gone(request, _collect(turn, first))
-        except _Gone:
-            turn.close()
-            return Response(status_code=499)  # nobody reads it: the client is gone
-        except ApiError as e:  # a mid-answer error of a request that is not streamed
-            return error_response(e)
-        except BaseException:  # the server cancelling the request (shutdown)
-            turn.close()
-            raise
-        return JSONResponse(protocol.body(kind, rid, created, name, "".join(parts), done["finish"], done["usage"],
-                                          done["page_local"], done.get("logprobs")))
 
     def ollama_shaped(request) -> bool:  # Ollama's routes answer errors as {"error": "..."}
         return request.url.path.startswith("/api/")
@@ -213,18 +86,10 @@ def create_app(backend: Backend):
             err = ApiError(e.status_code, str(e.detail), "http_error")
         return await on_api_error(request, err)
 
-    routes = []
-    for prefix in ("", "/v1"):
-        routes += [Route(f"{prefix}/health", health, methods=["GET"]),
-                   Route(f"{prefix}/models", models, methods=["GET"]),
-                   Route(f"{prefix}/models/{{model_id:path}}", model_one, methods=["GET"]),
-                   Route(f"{prefix}/chat/completions", chat, methods=["POST"]),
-                   Route(f"{prefix}/completions", completions, methods=["POST"]),
-                   Route(f"{prefix}/page_local/stats", stats, methods=["GET"])]
-    routes += [Route("/metrics", metrics, methods=["GET"]), *ollama.routes(backend, ready, namespace)]
-    routes += model_routes.routes(backend, ready)  # /tokenize, /detokenize, /v1/embeddings
-    from page_local.serve import web
-
+    routes = [Route(f"{prefix}{path}", handler, methods=["GET"]) for prefix in ("", "/v1")
+              for path, handler in (("/health", health), ("/page_local/stats", stats))]
+    routes += [Route("/metrics", metrics, methods=["GET"]), *openai.routes(backend), *ollama.routes(backend)]
+    routes += model_routes.routes(backend)  # /tokenize, /detokenize, /v1/embeddings
     routes += web.routes()
     hosts = HostPolicy(s.host, s.allow_hosts)
     middleware = [Middleware(HttpMetrics, metrics=backend.metrics, routes=routes),  # refusals counted too
@@ -242,51 +107,3 @@ def create_app(backend: Backend):
                      exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                          Exception: on_internal})
 
-
-async def _collect(turn: Turn, first: tuple) -> tuple[list[str], dict]:
-    parts, event = [], first
-    while True:
-        if event[0] == "text":
-            parts.append(event[1])
-        elif event[0] == "done":
-            return parts, event[1]
-        elif event[0] == "progress":
-            pass
-        else:
-            raise event[1]
-        event = await turn.next()
-
-
-async def _sse(turn: Turn, first: tuple, job, kind: str, rid: str, created: int, name: str):
-    """The SSE body, as OpenAI streams it: a role chunk, text chunks, a chunk with finish_reason (and
-    the page_local Decision), the usage chunk if asked for, then [DONE]. Same id on every chunk."""
-    from sse_starlette.event import ServerSentEvent
-
-    def data(obj) -> ServerSentEvent:
-        return ServerSentEvent(data=obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False), sep="\n")
-
-    def chunk(**kw):
-        return data(protocol.chunk(kind, rid, created, name, include_usage=job.include_usage, **kw))
-
-    try:
-        if kind == "chat":
-            yield chunk(role=True)
-        event = first
-        while True:
-            if event[0] == "text":
-                yield chunk(text=event[1], logprobs=event[2] if len(event) > 2 else None)
-            elif event[0] == "progress":
-                yield data(protocol.progress_chunk(kind, rid, created, name, event[1]))
-            elif event[0] == "done":
-                d = event[1]
-                yield chunk(finish=d["finish"], extension=d["page_local"])
-                if job.include_usage:
-                    yield data(protocol.chunk(kind, rid, created, name, use=d["usage"]))
-                break
-            else:  # a mid-stream error: an error frame, then the end of the stream
-                yield data(event[1].body())
-                break
-            event = await turn.next()
-        yield data("[DONE]")
-    finally:
-        turn.close()  # a client gone mid-stream: the slot's thread stops within one token

@@ -23,17 +23,10 @@ from pathlib import Path
 from page_local import defaults
 from page_local.engine import narrate
 from page_local.errors import Cancelled, ContextFull, EngineBusy, PageLocalError, RemoteLost
-from page_local.serve.protocol import (
-    ApiError,
-    Job,
-    StopScanner,
-    bad,
-    finish_reason,
-    finite,
-    usage,
-)
-from page_local.serve.metrics import Metrics
+from page_local.serve.errors import ApiError, bad
 from page_local.serve.fields import check_with_model
+from page_local.serve.metrics import Metrics
+from page_local.serve.protocol import Job, StopScanner, finish_reason, finite, usage
 from page_local.serve.logprobs import LogprobTracker
 from page_local.serve.slots import Slot, SlotPool, SnapshotCache
 

@@ -15,7 +15,7 @@ vocabulary once the model is known (Backend.tokens).
 
 from __future__ import annotations
 
-from page_local.serve.protocol import bad
+from page_local.serve.errors import bad
 
 # read by both completion routes
 COMMON = ("model", "max_tokens", "n_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",

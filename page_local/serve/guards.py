@@ -20,7 +20,7 @@ import hmac
 import ipaddress
 from urllib.parse import urlsplit
 
-from page_local.serve.protocol import ApiError
+from page_local.serve.errors import ApiError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import base64
 
-from page_local.serve.protocol import ApiError, bad, parse_json
+from page_local.serve.errors import ApiError, bad
+from page_local.serve.http import read_body, ready
+from page_local.serve.protocol import parse_json
 
 MAX_INPUTS = 256  # inputs per embeddings request (OpenAI allows 2048; each one is a decode here)
 TOKENIZE_FIELDS = ("content", "add_special", "parse_special", "with_pieces")
@@ -74,12 +76,10 @@ def embedding_inputs(body: dict, model) -> list[list[int]]:
     return out
 
 
-def routes(backend, ready):
-    """Starlette routes over `backend`; ready() raises ApiError(503) until the model is loaded."""
+def routes(backend):
+    """Starlette routes over `backend`."""
     from starlette.responses import JSONResponse
     from starlette.routing import Route
-
-    from page_local.serve.app import _read_body
 
     s = backend.settings
 
@@ -87,8 +87,8 @@ def routes(backend, ready):
         return backend.model
 
     async def read(request) -> dict:
-        ready()
-        return parse_json(await _read_body(request, s.max_body_bytes))
+        ready(backend)
+        return parse_json(await read_body(request, s.max_body_bytes))
 
     async def tokenize(request):
         body = await read(request)

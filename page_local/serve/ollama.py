@@ -32,7 +32,9 @@ import time
 from datetime import datetime, timedelta, timezone
 
 from page_local.serve import protocol
-from page_local.serve.protocol import ApiError, bad
+from page_local.serve.backend import Turn, rss_bytes
+from page_local.serve.errors import ApiError, bad
+from page_local.serve.http import Gone, collect, namespace, read_body, ready, unless_gone
 
 OLLAMA_VERSION = "0.32.0"  # the Ollama release whose API shapes these routes follow
 # options Ollama applies when it loads a model: ignored here (the module docstring says why)
@@ -214,14 +216,10 @@ def _renamed(e: ApiError, names: dict) -> ApiError:
 
 # --- the routes --------------------------------------------------------------------------------
 
-def routes(backend, ready, namespace):
-    """Starlette routes over `backend`; ready() raises ApiError(503) until the model is loaded;
-    namespace(request) is the request's key namespace (guards.KeyGuard)."""
+def routes(backend):
+    """Starlette routes over `backend`."""
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
-
-    from page_local.serve.app import _collect, _Gone, _read_body, _unless_gone
-    from page_local.serve.backend import Turn, rss_bytes
 
     s = backend.settings
     digest: list[str] = []
@@ -282,11 +280,11 @@ def routes(backend, ready, namespace):
         return JSONResponse({"version": OLLAMA_VERSION})
 
     async def tags(request):
-        ready()
+        ready(backend)
         return JSONResponse({"models": [await listing()]})
 
     async def ps(request):
-        ready()
+        ready(backend)
         m = model()
         entry = await listing()
         del entry["modified_at"]
@@ -296,8 +294,8 @@ def routes(backend, ready, namespace):
         return JSONResponse({"models": [entry]})
 
     async def show(request):
-        ready()
-        body = protocol.parse_json(await _read_body(request, s.max_body_bytes))
+        ready(backend)
+        body = protocol.parse_json(await read_body(request, s.max_body_bytes))
         name = body.get("model") or body.get("name")
         check_model(name)
         m = model()
@@ -322,9 +320,9 @@ def routes(backend, ready, namespace):
 
     async def complete(request, route: str):
         t0 = time.perf_counter_ns()
-        ready()
+        ready(backend)
         backend.pool.admit()  # a full queue refuses the request before its body is read
-        body = protocol.parse_json(await _read_body(request, s.max_body_bytes))
+        body = protocol.parse_json(await read_body(request, s.max_body_bytes))
         check_model(body.get("model"))
         openai, kind, names = openai_request(body, route)
         name = body["model"]
@@ -341,8 +339,8 @@ def routes(backend, ready, namespace):
         job.namespace = namespace(request)
         tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
         try:
-            slot = await _unless_gone(request, backend.pool.acquire(tokens, job.namespace))
-        except _Gone:
+            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace))
+        except Gone:
             return Response(status_code=499)
         t_slot = time.perf_counter_ns()
         turn = Turn(backend, slot, job, tokens, n_keep)
@@ -362,15 +360,15 @@ def routes(backend, ready, namespace):
                     "page_local": done["page_local"]}
 
         try:
-            first = await _unless_gone(request, turn.next())
+            first = await unless_gone(request, turn.next())
             clock["first"] = time.perf_counter_ns()
             if first[0] == "error":
                 return error_response(first[1])
             if job.stream:
                 return StreamingResponse(_ndjson(turn, first, name, piece, final),
                                          media_type="application/x-ndjson")
-            parts, done = await _unless_gone(request, _collect(turn, first))
-        except _Gone:
+            parts, done = await unless_gone(request, collect(turn, first))
+        except Gone:
             turn.close()
             return Response(status_code=499)
         except ApiError as e:

@@ -14,37 +14,15 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from page_local.gate import GATE_MODES
+from page_local.serve import fields
+from page_local.serve.errors import bad
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16  # OpenAI allows 4; llama-server more: enough for a chat template's turn markers
 MAX_STOP_CHARS = 256
 EXTENSION_FIELDS = ("gate", "budget", "evictor", "verify_tokens", "on_full", "cache_map")
-
-
-class ApiError(Exception):
-    """An HTTP error in the OpenAI envelope: {"error": {"message", "type", "code", "param"}}."""
-
-    TYPES: ClassVar[dict[int, str]] = {400: "invalid_request_error", 401: "authentication_error",
-                                       403: "permission_error", 404: "not_found_error",
-                                       405: "invalid_request_error", 413: "invalid_request_error",
-                                       415: "invalid_request_error", 503: "server_busy_error"}
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.type = self.TYPES.get(status, "server_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
-
-
-def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, code, param)
 
 
 @dataclass
@@ -263,8 +241,6 @@ def _overrides(body: dict) -> Overrides:
 
 def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
     """A chat ("chat") or text ("text") completion request -> Job; ApiError(400) says what is wrong."""
-    from page_local.serve import fields
-
     _refuse_unsupported(body, kind)
     fields.refuse_unknown(body, kind)
     model = body.get("model")

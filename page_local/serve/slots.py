@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from page_local.engine.turn import W
 from page_local.serve.guards import NO_KEY
-from page_local.serve.protocol import ApiError
+from page_local.serve.errors import ApiError
 
 
 def common_prefix(a, b) -> int:

@@ -42,7 +42,7 @@ def routes() -> list:
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from page_local.serve.protocol import ApiError
+    from page_local.serve.errors import ApiError
 
     def file_response(name: str):
         try:

@@ -1,0 +1,133 @@
+"""OpenAI's routes: the model list, chat completions and text completions, streamed (SSE) or not.
+
+    GET  /v1/models               the served model (and /v1/models/{id})
+    POST /v1/chat/completions     chat, streamed (SSE) or not
+    POST /v1/completions          plain text, streamed or not
+
+A request is validated into a Job (protocol.parse_job), tokenized off the event loop, waits for a slot
+(slots.SlotPool) and runs in that slot's thread (backend.Turn) while the loop relays its events. A
+client that goes away stops its generation within one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from page_local.serve import protocol
+from page_local.serve.backend import Turn
+from page_local.serve.errors import ApiError
+from page_local.serve.http import Gone, collect, error_response, namespace, read_body, ready, unless_gone
+
+
+def unknown_model(backend, name: str) -> ApiError:
+    return ApiError(404, f"the model {name!r} is not served here; this server serves "
+                         f"{backend.settings.served_name!r}", "model_not_found", "model")
+
+
+def routes(backend) -> list:
+    """Starlette routes over `backend`, with and without the /v1 prefix."""
+    from sse_starlette.sse import EventSourceResponse
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    s = backend.settings
+
+    def model_card() -> dict:
+        return {"id": s.served_name, "object": "model", "created": backend.loaded_at, "owned_by": "page-local",
+                "page_local": {"file": s.model_path.name, "n_ctx": s.n_ctx, "gate": s.gate, "budget": s.budget,
+                               "evictor": s.evictor, "parallel": s.parallel}}
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model_one(request):
+        name = request.path_params["model_id"]
+        if name not in backend.names:
+            raise unknown_model(backend, name)
+        return JSONResponse(model_card())
+
+    async def chat(request):
+        return await complete(request, "chat")
+
+    async def completions(request):
+        return await complete(request, "text")
+
+    async def complete(request, kind: str):
+        ready(backend)
+        backend.pool.admit()  # a full queue refuses the request before its body is read
+        job = protocol.parse_job(protocol.parse_json(await read_body(request, s.max_body_bytes)), kind,
+                                 backend.max_tokens_limit)
+        job.namespace = namespace(request)
+        if job.model and job.model not in backend.names:
+            raise unknown_model(backend, job.model)
+        tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
+        rid, created = protocol.new_id(kind), protocol.now()
+        try:
+            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace))
+        except Gone:
+            return Response(status_code=499)
+        turn = Turn(backend, slot, job, tokens, n_keep)
+        name = s.served_name
+        try:
+            # the status line waits for the first event: a request refused after the prefill (the
+            # conversation does not fit) is still a plain 400, not a 200 stream with an error in it
+            first = await unless_gone(request, turn.next())
+            if first[0] == "error":
+                return error_response(first[1])
+            if job.stream:
+                return EventSourceResponse(sse(turn, first, job, kind, rid, created, name), ping=0, sep="\n")
+            parts, done = await unless_gone(request, collect(turn, first))
+        except Gone:
+            turn.close()
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        except ApiError as e:  # a mid-answer error of a request that is not streamed
+            return error_response(e)
+        except BaseException:  # the server cancelling the request (shutdown)
+            turn.close()
+            raise
+        return JSONResponse(protocol.body(kind, rid, created, name, "".join(parts), done["finish"], done["usage"],
+                                          done["page_local"], done.get("logprobs")))
+
+    out = []
+    for prefix in ("", "/v1"):
+        out += [Route(f"{prefix}/models", models, methods=["GET"]),
+                Route(f"{prefix}/models/{{model_id:path}}", model_one, methods=["GET"]),
+                Route(f"{prefix}/chat/completions", chat, methods=["POST"]),
+                Route(f"{prefix}/completions", completions, methods=["POST"])]
+    return out
+
+
+async def sse(turn, first: tuple, job, kind: str, rid: str, created: int, name: str):
+    """The SSE body, as OpenAI streams it: a role chunk, text chunks, a chunk with finish_reason (and
+    the page_local Decision), the usage chunk if asked for, then [DONE]. Same id on every chunk."""
+    from sse_starlette.event import ServerSentEvent
+
+    def data(obj) -> ServerSentEvent:
+        return ServerSentEvent(data=obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False), sep="\n")
+
+    def chunk(**kw):
+        return data(protocol.chunk(kind, rid, created, name, include_usage=job.include_usage, **kw))
+
+    try:
+        if kind == "chat":
+            yield chunk(role=True)
+        event = first
+        while True:
+            if event[0] == "text":
+                yield chunk(text=event[1], logprobs=event[2] if len(event) > 2 else None)
+            elif event[0] == "progress":
+                yield data(protocol.progress_chunk(kind, rid, created, name, event[1]))
+            elif event[0] == "done":
+                d = event[1]
+                yield chunk(finish=d["finish"], extension=d["page_local"])
+                if job.include_usage:
+                    yield data(protocol.chunk(kind, rid, created, name, use=d["usage"]))
+                break
+            else:  # a mid-stream error: an error frame, then the end of the stream
+                yield data(event[1].body())
+                break
+            event = await turn.next()
+        yield data("[DONE]")
+    finally:
+        turn.close()  # a client gone mid-stream: the slot's thread stops within one token
