@@ -163,30 +163,36 @@ def test_evict_equals_seq_rm_runs(shared_ctx):
 
 @pytest.mark.parametrize("flash_attn", ["off", "on"], ids=["flash-off", "flash-on"])
 def test_compact_keeps_outputs(smollm2, make_ctx, flash_attn):
-    """Compaction moves cells, never positions. With flash attention off (page-local's default on the CPU)
-    the next-token logits are bit-identical; the CPU flash kernel's f16 rounding depends on where cells
-    sit, so there the distribution moves a little: on an AMD EPYC (Zen 1) a logit moved by up to 0.55 and
-    a probability by 0.035 (KL 0.004 nats) on this prompt, where an Intel Xeon had stayed within 1e-3; the
-    confident greedy token is kept."""
+    """Compaction moves cells, never positions or contents: what is bit-identical on every CPU is the cache
+    itself (the sequence's saved state, every held position's K and V, is the same bytes before and after).
+    The next-token logits are not: attention sums over the cell index, and a cell that moves lands in
+    another SIMD lane and accumulator, so the float sums round differently wherever the kernel's blocking
+    differs (flash attention's f16 tiles on every CPU; with flash attention off the F16 dot products over
+    n_kv, whose blocking differs between AVX2 and AVX-512). Measured on this prompt: Intel Xeon with AVX-512,
+    flash off, a logit moved by up to 0.21 (KL 0.0005 nats); AMD EPYC Zen 1, flash on, by 0.55 (KL 0.004);
+    AVX2 CPUs with flash off gave identical logits. The bound asserted is 5x the worst measured, far below
+    what a real fault gives (a lost or wrong cell moves KL by whole nats and flips " Paris")."""
     ctx = make_ctx(smollm2, n_ctx=1024, flash_attn=flash_attn)
-    # text whose next token is clear (random tokens leave near-ties that the flash kernel's rounding can flip
-    # on some CPUs: AMD Zen 1 did), with the evicted positions in its first 500
+    # text whose next token is clear (random tokens leave near-ties that the kernels' rounding can flip
+    # on some CPUs), with the evicted positions in its first 500
     filler = smollm2.tokenize("The keeper climbed the stairs of the old lighthouse every evening. " * 60,
                               add_special=False)
     toks = filler[:560] + smollm2.tokenize(" The capital of France is", add_special=False)
     ctx.decode(toks[:-1], 0, logits="none")
     ctx.page.evict(0, np.arange(4, 500, 2))
     held = ctx.page.positions(0)
+    state = ctx.seq_state(0)
     before = next_logits(ctx, 0, token=toks[-1])
     ctx.page.compact(0)
     assert ctx.page.positions(0).tolist() == held.tolist()
+    assert ctx.seq_state(0) == state  # the same positions with the same K and V, bit for bit
     after = next_logits(ctx, 0, token=toks[-1])
-    if flash_attn == "off":
-        np.testing.assert_array_equal(after, before)
-    else:
-        p, q = (np.exp(x - x.max()) / np.exp(x - x.max()).sum() for x in (before, after))
-        assert float(np.sum(p * (np.log(p) - np.log(q)))) <= 0.02  # KL(before || after), nats
-        assert np.argmax(after) == np.argmax(before) and p.max() > 0.5  # " Paris", a clear prediction
+    p, q = (np.exp(x - x.max()) / np.exp(x - x.max()).sum() for x in (before, after))
+    assert float(np.sum(p * (np.log(p) - np.log(q)))) <= 0.02  # KL(before || after), nats
+    assert float(np.abs(after - before).max()) <= 3.0
+    assert np.argmax(after) == np.argmax(before) and p.max() > 0.5  # " Paris", a clear prediction
+    top = lambda x: set(np.argsort(-x)[:5].tolist())
+    assert len(top(after) & top(before)) >= 4  # the five most likely tokens, at most one swapped at the edge
 
 
 # --- bad input ---------------------------------------------------------------------------------

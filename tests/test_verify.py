@@ -13,12 +13,17 @@ from page_local.verify import RULES, VERIFY_CAP, VERIFY_RULE
 
 THREADS = 1
 HAY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
-# ~520 tokens: long enough that a 40-cell budget loses the needle and a quarter keeps it (what the tests tell
-# apart); every turn prefills it on one thread, so its length is most of this module's time
-NEEDLE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it.\n"
-          + HAY * 10 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 10
-          + "What is the special magic number for cold-ocean mentioned in the provided text? "
-            "The special magic number for cold-ocean mentioned in the provided text is")
+# ~530 tokens: long enough that a 40-cell budget and a quarter lose the needle and a half keeps it (what the
+# tests tell apart); every turn prefills it on one thread, so its length is most of this module's time.
+# A chat turn whose assistant reply is begun: the answer is ' 4817302.' (9 tokens) and then the end of the
+# turn, each greedy choice by a clear margin (measured on an Intel Xeon with AVX-512: the smallest gap between
+# the top two log-probabilities over the answer is 1.66 nats, the end-of-turn token leads by 2.2 logits), so
+# the premises hold on every CPU family. The raw completion this replaced ("... mentioned in the provided text
+# is") was a near-tie at its first token (': ' against ' ', 0.16 nats on the Xeon) and never ended there.
+NEEDLE = ("<|im_start|>user\nSome special magic numbers are hidden within the following text. Make sure to "
+          "memorize it.\n" + HAY * 10 + "One of the special magic numbers for cold-ocean is: 4817302.\n" + HAY * 10
+          + "\nWhat is the special magic number for cold-ocean mentioned in the provided text?<|im_end|>\n"
+            "<|im_start|>assistant\nThe special magic number for cold-ocean is")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,7 @@ def full_run(engine):
     return r.tokens, engine.ctx.page.positions(0)
 
 
-LADDER = (40, 0.25, 0.5)  # a rung that loses the needle (40 cells) and ones that keep it
+LADDER = (40, 0.25, 0.5)  # two rungs that lose the needle (40 cells, a quarter) and one that keeps it (a half)
 
 
 @pytest.fixture(scope="module")
