@@ -21,7 +21,7 @@ export CCACHE_BASEDIR ?= $(CURDIR)
 # the build tools (cmake, ninja, ccache) come from the venv
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup chat test test-fast test-durations fuzz test-asan bench-peer peer-server browser browser-try clean distclean
+.PHONY: setup chat test test-fast test-durations test-isa fuzz test-asan bench-peer peer-server browser browser-try clean distclean
 
 setup: $(VENV)/.stamp-page-local $(VENV)/.stamp-model
 
@@ -117,6 +117,20 @@ test-asan: setup
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_bindings.py tests/test_native.py \
 	        tests/test_probe_fidelity.py tests/test_fuzz.py tests/test_compact.py tests/test_lorekv.py
 
+# The same tree built with other ggml-cpu flags (ISA_FLAGS, default -mno-avx512f) into build-isa/, and the suite
+# run against it: on a CPU with AVX-512, its AVX2 code paths are tested too (docs/test-time.md). ISA_TESTS:
+# the test files (default: all).
+ISA_BUILD ?= build-isa
+ISA_FLAGS ?= -mno-avx512f
+ISA_TESTS ?=
+test-isa: setup browser-try
+	@if [ ! -f $(ISA_BUILD)/build.ninja ] || ! grep -q -- "PAGE_CPU_FLAGS:STRING=$(ISA_FLAGS)$$" $(ISA_BUILD)/CMakeCache.txt; then \
+	    cmake -S . -B $(ISA_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DPAGE_CPU_FLAGS="$(ISA_FLAGS)" \
+	        -DPAGE_BACKEND=cpu -DPAGE_CACHE_DIR=$(CACHE) -DPython3_EXECUTABLE=$(CURDIR)/$(BIN)/python; \
+	fi
+	cmake --build $(ISA_BUILD) -j $(JOBS)
+	PAGE_LOCAL_LIB_DIR=$(CURDIR)/$(ISA_BUILD)/bin $(PYTEST) $(ISA_TESTS)
+
 # page-local vs NVIDIA kvpress (SnapKVPress in PyTorch, CPU) on the same GGUF, budget and needle prompts.
 # Installs the optional [peer] extra (torch, transformers, kvpress) into the venv first. TORCH_INDEX: an
 # index for a CPU-only torch wheel (e.g. https://download.pytorch.org/whl/cpu); PyPI's is ~4 GB with CUDA.
@@ -158,7 +172,7 @@ browser-try:
 	else echo "make test: no chromium and no apt-get as root: the browser tests skip (make browser installs them)"; fi
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) build-pip-test build-peer
+	rm -rf $(BUILD) $(ASAN_BUILD) $(ISA_BUILD) build-pip-test build-peer
 
 distclean: clean
 	rm -rf $(VENV)

@@ -25,6 +25,46 @@ from page_local.cli import main
 from page_local.native.runtime import Context, ContextConfig, Model
 
 
+def cpu_summary() -> str:
+    """The CPU this run is on: its name, family/model and the SIMD extensions the suite's figures depend on."""
+    info = {}
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            k, _, v = line.partition(":")
+            info.setdefault(k.strip(), v.strip())
+            if not line.strip():
+                break
+    except OSError:
+        import platform
+        return platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                        "amx_tile") if f in flags]
+    return (f"{info.get('model name', '?')} (vendor {info.get('vendor_id', '?')}, family {info.get('cpu family', '?')} "
+            f"model {info.get('model', '?')}; {' '.join(simd) or 'no AVX2'})")
+
+
+def pytest_sessionstart(session):
+    """The report's header names the CPU and what the loaded library was built for (greedy ties and rounding
+    differ across CPU families), also under -q, where pytest's own header is left out."""
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or hasattr(config, "workerinput"):  # an xdist worker: the controller tells it
+        return
+    for line in report_lines():
+        reporter.write_line(line)
+
+
+def report_lines() -> list[str]:
+    lines = [f"cpu: {cpu_summary()}"]
+    try:
+        from page_local.native import pageops
+        lines.append("library: " + pageops.llama_cpp().llama_print_system_info().decode().strip())
+    except Exception as e:  # noqa: BLE001 -- a header, not a test: the tests say what is wrong
+        lines.append(f"library: not loaded ({e})")
+    return lines
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     try:
