@@ -197,7 +197,11 @@ def test_errors_in_ollamas_shape(client, http):
     assert e.value.status_code == 400 and "options.num_predict" in e.value.error
     r = http.post("/api/chat", json={"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]})
     assert r.status_code == 400 and r.json() == {"error": "messages[0].role must be one of system, developer, "
-                                                          "user, assistant, got 'wizard'"}
+                                                          "user, assistant, tool, got 'wizard'"}
+    for route, body in (("chat", {"messages": QUESTION}), ("generate", {"prompt": "Hi"})):  # unknown: not ignored
+        r = http.post(f"/api/{route}", json={"model": MODEL, **body, "stream": False, "mystery": 1})
+        assert r.status_code == 400 and r.json()["error"].startswith(f"field mystery is not supported by "
+                                                                     f"page-local's /api/{route}")
     assert http.get("/api/nothing").json() == {"error": "no route GET /api/nothing; see /v1/models, "
                                                         "/v1/chat/completions, /v1/completions"}
     refused = http.get("/api/tags", headers={"Host": "evil.example"})  # the guards answer in Ollama's shape too

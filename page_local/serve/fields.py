@@ -23,14 +23,14 @@ COMMON = ("model", "max_tokens", "n_predict", "temperature", "top_p", "top_k", "
           "logit_bias", "response_format", "json_schema", "grammar", "n", "page_local", "cache_prompt",
           "return_progress")
 HONOURED = {"chat": frozenset(COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                        "tool_choice", "function_call")),
+                                        "tools", "tool_choice", "parallel_tool_calls")),
             "text": frozenset(COMMON + ("prompt",))}
 # accepted and without effect here: who the client says the user is (OpenAI's abuse monitoring), and
 # its own labels for the request; page-local keeps no record of either
 NO_EFFECT = frozenset({"user", "metadata"})
 # refused with their own reason (protocol._refuse_unsupported, or below): listed so the generic
 # refusal does not hide the specific one
-SPECIFIC = frozenset({"tools", "functions", "logprobs", "echo", "suffix", "best_of"})
+SPECIFIC = frozenset({"functions", "function_call", "logprobs", "echo", "suffix", "best_of"})
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 

@@ -31,7 +31,7 @@ import math
 import time
 from datetime import datetime, timedelta, timezone
 
-from page_local.serve import protocol
+from page_local.serve import protocol, tools
 from page_local.serve.backend import Turn, rss_bytes
 from page_local.serve.errors import ApiError, bad
 from page_local.serve.http import Gone, collect, namespace, read_body, ready, unless_gone
@@ -113,13 +113,26 @@ def _format(body: dict, out: dict, names: dict) -> None:
     names["response_format"] = "format"
 
 
-def _refuse(body: dict) -> None:
-    """Ollama fields page-local cannot honour: refused by name."""
+# the top-level fields of /api/chat and /api/generate page-local reads (keep_alive: accepted, no effect: the
+# model stays loaded while the server runs); anything else is refused by name
+FIELDS = {"chat": frozenset({"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think",
+                             "truncate", "shift", "logprobs", "top_logprobs", "page_local"}),
+          "generate": frozenset({"model", "prompt", "suffix", "images", "format", "options", "system", "template",
+                                 "context", "stream", "raw", "keep_alive", "think", "truncate", "shift", "logprobs",
+                                 "top_logprobs", "page_local"})}
+
+
+def _refuse(body: dict, route: str = "chat") -> None:
+    """Ollama fields page-local cannot honour, or does not know: refused by name."""
+    for name in body:
+        if name not in FIELDS[route]:
+            raise bad(f"field {name} is not supported by page-local's /api/{route}; it reads "
+                      f"{', '.join(sorted(FIELDS[route]))}", name, "unsupported_parameter")
+    if route == "generate" and body.get("tools"):
+        raise bad("tools are read by /api/chat, not /api/generate", "tools", "unsupported_parameter")
     if body.get("think") not in (None, False):
         raise bad("think is not supported by page-local (it does not separate a model's thinking from its answer)",
                   "think", "unsupported_parameter")
-    if body.get("tools"):
-        raise bad("tools (tool calling) are not supported by page-local", "tools", "unsupported_parameter")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise bad("logprobs are not supported on page-local's Ollama routes", "logprobs", "unsupported_parameter")
     if body.get("images"):
@@ -161,16 +174,20 @@ def _messages(body: dict) -> list[dict]:
                       "unsupported_parameter")
         role = m.get("role")
         msg = {"role": role.lower() if isinstance(role, str) else role, "content": m.get("content", "")}
-        for name in ("tool_calls", "tool_name", "tool_call_id"):
+        for name in ("tool_calls", "tool_call_id"):
             if m.get(name):
-                msg[name] = m[name]  # parse_job refuses tool messages by name
+                msg[name] = m[name]
+        if m.get("tool_name"):  # Ollama's name of the function a tool message answers
+            msg["name"] = m["tool_name"]
+        if msg.get("tool_calls") and not msg["content"]:
+            msg["content"] = None
         out.append(msg)  # (an assistant message's `thinking`, an earlier answer's, is not sent to the model)
     return out
 
 
 def openai_request(body: dict, route: str) -> tuple[dict, str, dict]:
     """(the OpenAI request body, its kind "chat" | "text", OpenAI field -> Ollama name for errors)."""
-    _refuse(body)
+    _refuse(body, route)
     out: dict = {"model": body.get("model")}
     names: dict = {}
     ext = body.get("page_local")
@@ -185,6 +202,8 @@ def openai_request(body: dict, route: str) -> tuple[dict, str, dict]:
     out["stream"] = True if stream is None else stream
     if route == "chat":
         out["messages"] = _messages(body)
+        if body.get("tools"):
+            out["tools"] = body["tools"]
         return out, "chat", names
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
@@ -241,6 +260,10 @@ def routes(backend):
 
     def model():
         return backend.model
+
+    def tool_format():
+        t = backend.tool_template
+        return t.tool_format if t is not None else None
 
     def details() -> dict:
         meta = model().metadata()
@@ -309,7 +332,7 @@ def routes(backend):
             "modelfile": f"# served by page-local serve\nFROM {s.model_path.name}\nPARAMETER num_ctx {s.n_ctx}\n",
             "parameters": f"num_ctx {s.n_ctx}",
             "template": template, "details": details(), "model_info": info,
-            "capabilities": ["completion"], "modified_at": modified(),
+            "capabilities": ["completion"] + (["tools"] if tool_format() else []), "modified_at": modified(),
             "license": meta.get("general.license", "")})
 
     async def chat(request):
@@ -344,15 +367,22 @@ def routes(backend):
             return Response(status_code=499)
         t_slot = time.perf_counter_ns()
         turn = Turn(backend, slot, job, tokens, n_keep)
-        piece = (lambda text: {"message": {"role": "assistant", "content": text}}) if route == "chat" \
-            else (lambda text: {"response": text})
+        def piece(text: str, calls: list | None = None) -> dict:
+            if route != "chat":
+                return {"response": text}
+            msg = {"role": "assistant", "content": text}
+            if calls:  # Ollama's shape: arguments as an object, no id
+                msg["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                                   "arguments": json.loads(c["function"]["arguments"])}}
+                                     for c in calls]
+            return {"message": msg}
         clock = {}
 
-        def final(done: dict, text: str = "") -> dict:
+        def final(done: dict, text: str = "", calls: list | None = None) -> dict:
             t_end = time.perf_counter_ns()
             t_first = clock.get("first", t_end)
             use = done["usage"]
-            return {"model": name, "created_at": now_rfc3339(), **piece(text), "done": True,
+            return {"model": name, "created_at": now_rfc3339(), **piece(text, calls), "done": True,
                     "done_reason": done["finish"] if done["finish"] in ("stop", "length") else "stop",
                     "total_duration": t_end - t0,
                     "prompt_eval_count": use["prompt_tokens"], "prompt_eval_duration": t_first - t_slot,
@@ -365,7 +395,8 @@ def routes(backend):
             if first[0] == "error":
                 return error_response(first[1])
             if job.stream:
-                return StreamingResponse(_ndjson(turn, first, name, piece, final),
+                scan = tools.CallScanner(_names(job)) if job.offers_tools else None
+                return StreamingResponse(_ndjson(turn, first, name, piece, final, scan),
                                          media_type="application/x-ndjson")
             parts, done = await unless_gone(request, collect(turn, first))
         except Gone:
@@ -376,7 +407,11 @@ def routes(backend):
         except BaseException:
             turn.close()
             raise
-        return JSONResponse(final(done, "".join(parts)))
+        text = "".join(parts)
+        if job.offers_tools:
+            text, calls = tools.split_calls(text, _names(job))
+            return JSONResponse(final(done, text, calls))
+        return JSONResponse(final(done, text))
 
     return [Route("/api/version", guarded(version), methods=["GET", "HEAD"]),
             Route("/api/tags", guarded(tags), methods=["GET", "HEAD"]),
@@ -386,18 +421,35 @@ def routes(backend):
             Route("/api/generate", guarded(generate), methods=["POST"])]
 
 
-async def _ndjson(turn, first: tuple, name: str, piece, final):
+def _names(job) -> set[str]:
+    return {t["function"]["name"] for t in job.tools or ()}
+
+
+async def _ndjson(turn, first: tuple, name: str, piece, final, scan=None):
     """The NDJSON body, as Ollama streams it: a line per text piece ("done": false), then the line with
-    done, done_reason and the counts; a mid-stream error is a line {"error": "..."}."""
+    done, done_reason and the counts; a mid-stream error is a line {"error": "..."}. scan: a
+    tools.CallScanner when tools were offered (a call is one line with tool_calls, once it is whole)."""
     def line(obj) -> bytes:
         return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+
+    def lines(events):
+        for kind, value in events:
+            out = piece(value) if kind == "text" else piece("", [value])
+            yield line({"model": name, "created_at": now_rfc3339(), **out, "done": False})
 
     try:
         event = first
         while True:
             if event[0] == "text":
-                yield line({"model": name, "created_at": now_rfc3339(), **piece(event[1]), "done": False})
+                if scan is None:
+                    yield line({"model": name, "created_at": now_rfc3339(), **piece(event[1]), "done": False})
+                else:
+                    for out in lines(scan.feed(event[1])):
+                        yield out
             elif event[0] == "done":
+                if scan is not None:
+                    for out in lines(scan.flush()):
+                        yield out
                 yield line(final(event[1]))
                 break
             else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from page_local.serve import protocol
+from page_local.serve import protocol, tools
 from page_local.serve.backend import Turn
 from page_local.serve.errors import ApiError
 from page_local.serve.http import Gone, collect, error_response, namespace, read_body, ready, unless_gone
@@ -86,8 +86,9 @@ def routes(backend) -> list:
         except BaseException:  # the server cancelling the request (shutdown)
             turn.close()
             raise
-        return JSONResponse(protocol.body(kind, rid, created, name, "".join(parts), done["finish"], done["usage"],
-                                          done["page_local"], done.get("logprobs")))
+        text, calls, finish = answer(job, "".join(parts), done["finish"])
+        return JSONResponse(protocol.body(kind, rid, created, name, text, finish, done["usage"], done["page_local"],
+                                          done.get("logprobs"), calls))
 
     out = []
     for prefix in ("", "/v1"):
@@ -96,6 +97,19 @@ def routes(backend) -> list:
                 Route(f"{prefix}/chat/completions", chat, methods=["POST"]),
                 Route(f"{prefix}/completions", completions, methods=["POST"])]
     return out
+
+
+def tool_names(job) -> set[str]:
+    return {t["function"]["name"] for t in job.tools or ()} if job.offers_tools else set()
+
+
+def answer(job, text: str, finish: str) -> tuple[str, list[dict], str]:
+    """(the answer's text, its tool calls, its finish_reason): an answer that offered tools is read for calls;
+    one that made calls and ended by itself finishes with "tool_calls"."""
+    if not job.offers_tools:
+        return text, [], finish
+    content, calls = tools.split_calls(text, tool_names(job))
+    return content, calls, ("tool_calls" if calls and finish == "stop" else finish)
 
 
 async def sse(turn, first: tuple, job, kind: str, rid: str, created: int, name: str):
@@ -109,18 +123,38 @@ async def sse(turn, first: tuple, job, kind: str, rid: str, created: int, name: 
     def chunk(**kw):
         return data(protocol.chunk(kind, rid, created, name, include_usage=job.include_usage, **kw))
 
+    scan = tools.CallScanner(tool_names(job)) if job.offers_tools else None
+    n_calls = 0
+
+    def pieces(events):  # a call's text held back until it is whole, then sent as one tool_calls delta
+        nonlocal n_calls
+        for kind_, value in events:
+            if kind_ == "text":
+                yield chunk(text=value)
+            else:
+                yield chunk(tool_call=(n_calls, value))
+                n_calls += 1
+
     try:
         if kind == "chat":
             yield chunk(role=True)
         event = first
         while True:
             if event[0] == "text":
-                yield chunk(text=event[1], logprobs=event[2] if len(event) > 2 else None)
+                if scan is None:
+                    yield chunk(text=event[1], logprobs=event[2] if len(event) > 2 else None)
+                else:
+                    for c in pieces(scan.feed(event[1])):
+                        yield c
             elif event[0] == "progress":
                 yield data(protocol.progress_chunk(kind, rid, created, name, event[1]))
             elif event[0] == "done":
                 d = event[1]
-                yield chunk(finish=d["finish"], extension=d["page_local"])
+                if scan is not None:
+                    for c in pieces(scan.flush()):
+                        yield c
+                finish = "tool_calls" if n_calls and d["finish"] == "stop" else d["finish"]
+                yield chunk(finish=finish, extension=d["page_local"])
                 if job.include_usage:
                     yield data(protocol.chunk(kind, rid, created, name, use=d["usage"]))
                 break

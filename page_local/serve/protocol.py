@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from page_local.gate import GATE_MODES
-from page_local.serve import fields
+from page_local.serve import fields, tools
 from page_local.serve.errors import bad
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 16  # OpenAI allows 4; llama-server more: enough for a chat template's turn markers
 MAX_STOP_CHARS = 256
 EXTENSION_FIELDS = ("gate", "budget", "evictor", "verify_tokens", "on_full", "cache_map")
@@ -63,8 +63,22 @@ class Job:
     grammar: str | None = None  # GBNF the answer must follow (structured output)
     grammar_field: str | None = None  # the request field it came from (for errors)
     logprobs: int | None = None  # chat: alternatives per token (top_logprobs); None: no logprobs
+    tools: list[dict] | None = None  # chat: OpenAI's function tools (tools.parse_tools), shown to the model
+    tool_choice: str = "none"  # "auto" | "none" | "required" | a function's name
+    parallel_tool_calls: bool = True
     overrides: Overrides = field(default_factory=Overrides)
     namespace: str = ""  # whose conversation cache the request may reuse: its API key's (guards.KeyGuard)
+
+    @property
+    def offers_tools(self) -> bool:
+        """The model is shown tools and may answer with calls (tools.py reads them back)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def uses_tools(self) -> bool:
+        """The request needs a chat template with tool calling: tools offered, or tool calls and results
+        in its conversation (tools with tool_choice "none" are shown to a model that has them)."""
+        return self.offers_tools or any(m["role"] == "tool" or m.get("tool_calls") for m in self.messages or ())
 
     def sampling(self):
         """The engine's Sampling for this request (every sampling field the request set)."""
@@ -120,12 +134,10 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         raise bad(f"n = {n!r} is not supported: page-local returns one choice per request (n = 1)", "n",
                   "unsupported_parameter")
     if kind == "chat":
-        for name in ("tools", "functions"):
-            if body.get(name):
-                raise bad(f"{name} (tool calling) are not supported by page-local", name, "unsupported_parameter")
-        for name in ("tool_choice", "function_call"):
-            if body.get(name) not in (None, "none"):
-                raise bad(f"{name} is not supported by page-local (no tool calling)", name, "unsupported_parameter")
+        for name, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+            if body.get(name) is not None:
+                raise bad(f"{name} (OpenAI's deprecated form) is not supported by page-local: send {instead}", name,
+                          "unsupported_parameter")
     else:
         if body.get("logprobs") is not None:
             raise bad("logprobs are not supported on page-local's text completions (chat completions have them)",
@@ -167,14 +179,34 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
         role = m.get("role")
-        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise bad(f"messages[{i}]: tool messages and tool calls are not supported by page-local",
-                      f"messages[{i}]", "unsupported_parameter")
+        if role == "function" or m.get("function_call"):
+            raise bad(f"messages[{i}]: function messages and function_call (OpenAI's deprecated form) are not "
+                      "supported by page-local: send tool_calls and role \"tool\"", f"messages[{i}]",
+                      "unsupported_parameter")
         if role not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", f"messages[{i}].role")
-        if "content" not in m or m["content"] is None:
+        calls = m.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise bad(f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                      f"messages[{i}].tool_calls")
+        if calls and m.get("content") is None:
+            content = ""  # an assistant's call without text: OpenAI sends content null
+        elif "content" not in m or m["content"] is None:
             raise bad(f"messages[{i}] has no content", f"messages[{i}].content", "missing_required_parameter")
-        out.append({"role": ROLES[role], "content": _content(m["content"], i)})
+        else:
+            content = _content(m["content"], i)
+        msg = {"role": ROLES[role], "content": content}
+        if calls:
+            msg["tool_calls"] = tools.message_tool_calls(calls, i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = call_id or ""
+            name = m.get("name")
+            if isinstance(name, str) and name:
+                msg["name"] = name
+        out.append(msg)
     return out
 
 
@@ -276,6 +308,8 @@ def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
     fields.sampling(body, job)
     job.grammar, job.grammar_field = fields.structured(body)
     job.logprobs = fields.logprobs(body, kind)
+    if kind == "chat":
+        _tools(body, job)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad(f"stream must be true or false, got {stream!r}", "stream")
@@ -291,6 +325,28 @@ def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
         job.include_usage = bool(opts.get("include_usage"))
     job.overrides = _overrides(body)
     return job
+
+
+def _tools(body: dict, job: Job) -> None:
+    """tools, tool_choice, parallel_tool_calls into the job; a call's grammar replaces no other constraint."""
+    job.tools = tools.parse_tools(body.get("tools"))
+    job.tool_choice = tools.parse_tool_choice(body.get("tool_choice"), job.tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad(f"parallel_tool_calls must be true or false, got {parallel!r}", "parallel_tool_calls")
+    job.parallel_tool_calls = parallel is not False
+    if not job.offers_tools:
+        if job.tools and job.grammar is None:  # shown, and not to be called: text only
+            job.grammar, job.grammar_field = tools.text_grammar(), "tool_choice"
+        return
+    if job.grammar is not None:
+        raise bad(f"{job.grammar_field} and tools each constrain the answer: send one of them, or tool_choice "
+                  "\"none\"", job.grammar_field.split(".")[0])
+    if job.logprobs is not None:
+        raise bad("logprobs with tools are not supported by page-local (a call's tokens are not text)", "logprobs",
+                  "unsupported_parameter")
+    job.grammar = tools.call_grammar(job.tools, job.tool_choice, job.parallel_tool_calls)
+    job.grammar_field = "tools"
 
 
 # --- stop strings ------------------------------------------------------------------------------
@@ -366,12 +422,15 @@ def _logprobs(entries: list | None) -> dict | None:
 
 
 def body(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict, extension: dict,
-         logprobs: list | None = None) -> dict:
+         logprobs: list | None = None, tool_calls: list | None = None) -> dict:
     """A whole (not streamed) chat.completion or text_completion object. logprobs: the chat answer's
-    tokens in OpenAI's shape (logprobs.LogprobTracker), None when not asked for."""
+    tokens in OpenAI's shape (logprobs.LogprobTracker), None when not asked for. tool_calls: the calls the
+    answer made (tools.split_calls): then the content is null when no text came with them."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": _logprobs(logprobs),
-                  "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        choice = {"index": 0, "message": message, "logprobs": _logprobs(logprobs), "finish_reason": finish}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -382,12 +441,15 @@ def body(kind: str, rid: str, created: int, model: str, text: str, finish: str, 
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, role: bool = False,
           finish: str | None = None, use: dict | None = None, include_usage: bool = False,
-          extension: dict | None = None, logprobs: list | None = None) -> dict:
+          extension: dict | None = None, logprobs: list | None = None, tool_call: tuple | None = None) -> dict:
     """One stream chunk. use: the usage-only chunk (no choices). include_usage: the other chunks carry
-    "usage": null, as OpenAI's do when the client asked for the usage chunk."""
+    "usage": null, as OpenAI's do when the client asked for the usage chunk. tool_call: (index, the call)
+    sent whole in one delta."""
     if kind == "chat":
         obj = "chat.completion.chunk"
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        if tool_call is not None:
+            delta = {"tool_calls": [{"index": tool_call[0], **tool_call[1]}]}
         choices = [{"index": 0, "delta": delta, "logprobs": _logprobs(logprobs), "finish_reason": finish}]
     else:
         obj = "text_completion"
