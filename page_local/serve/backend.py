@@ -17,12 +17,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from page_local import defaults
 from page_local.engine import narrate
-from page_local.engine.attention import AttentionSettings
 from page_local.errors import Cancelled, ContextFull, EngineBusy, PageLocalError, RemoteLost
 from page_local.serve.errors import ApiError, bad
 from page_local.serve.fields import check_with_model
@@ -51,7 +51,6 @@ class Settings:
     threads: int = defaults.THREADS
     n_gpu_layers: int | str | None = None
     rpc: tuple[str, ...] | None = None  # as Model's (None: $PAGE_LOCAL_RPC)
-    attention_settings: AttentionSettings | None = None  # as Engine's (None: the environment's)
     allow_long_context: bool = False
     parallel: int = 1
     queue: int = 16  # requests waiting for a slot before 503
@@ -97,6 +96,11 @@ class Backend:
         self._state_lock = threading.Lock()
         self._embedder = None  # native.embed.Embedder, made on the first /v1/embeddings request
         self._embed_lock = threading.Lock()
+        # embeddings run on a thread of their own, not the event loop's default pool that every chat request's
+        # tokenizing needs; requests wait for it on the loop (embed_gate), where a client leaving is seen
+        self.embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page-local-embed")
+        self._embed_gate: asyncio.Lock | None = None
+        self.embeds_cancelled = 0  # embeddings requests stopped between inputs because their client left
 
     @property
     def names(self) -> set[str]:
@@ -131,7 +135,7 @@ class Backend:
                     return
                 extra = {} if s.verify_tokens is None else {"verify_tokens": s.verify_tokens}
                 eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
-                             threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
+                             threads=s.threads, on_full=s.on_full,
                              allow_long_context=s.allow_long_context, **extra)
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
@@ -176,6 +180,7 @@ class Backend:
 
     def _close_slots(self) -> None:
         self.cancel_running()
+        self.embed_executor.shutdown(wait=True)
         with self._embed_lock:  # before the model it borrows
             if self._embedder is not None:
                 self._embedder.close()
@@ -385,10 +390,17 @@ class Backend:
         if last is not None:  # after the bookkeeping: a client's next request finds the slot as it is
             emit(last)
 
-    def embed(self, inputs: list[list[int]]) -> list:
+    def embed_gate(self) -> asyncio.Lock:
+        """The event loop's lock in front of embed_executor (made on the loop, on first use)."""
+        if self._embed_gate is None:
+            self._embed_gate = asyncio.Lock()
+        return self._embed_gate
+
+    def embed(self, inputs: list[list[int]], cancel: threading.Event | None = None) -> list:
         """f32 (n_embd,) per input: the served model's final hidden states mean-pooled and L2-normalised,
         on a context of its own (made on first use, EMBED_CTX tokens): the slots' caches are not touched.
-        One request at a time; thread-safe. ValueError for an input the context cannot take."""
+        One request at a time; thread-safe. ValueError for an input the context cannot take; a set `cancel`
+        stops between inputs (ApiError 499: nobody reads it)."""
         from page_local.native.embed import Embedder
 
         with self._embed_lock:
@@ -397,7 +409,13 @@ class Backend:
             if self._embedder is None:
                 model = self.model
                 self._embedder = Embedder(model, n_ctx=self.embed_ctx, threads=self.settings.threads)
-            return [self._embedder.embed(toks) for toks in inputs]
+            out = []
+            for toks in inputs:
+                if cancel is not None and cancel.is_set():
+                    self.embeds_cancelled += 1
+                    raise ApiError(499, "the client went away", "cancelled")
+                out.append(self._embedder.embed(toks))
+            return out
 
     @property
     def embed_ctx(self) -> int:
