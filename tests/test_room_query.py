@@ -18,7 +18,7 @@ QUESTION = "What is the vault combination for the north archive?"
 
 
 def message_positions(eng: Engine, start: int, n: int) -> np.ndarray:
-    return np.asarray(eng._pos[start: start + n], dtype=np.int64)
+    return np.asarray(eng.conv.pos[start: start + n], dtype=np.int64)
 
 
 # --- the REPL example: /read doc.txt What is the vault combination ...? -------------------------------------
@@ -55,8 +55,8 @@ def test_a_document_longer_than_the_context_keeps_what_its_question_asks(smol, v
     assert d.chunks >= 2 and d.room_evicted > 0 and d.prompt_held < d.prompt_tokens
     assert d.room_ranking == ranking and (d.room_probe_ms > 0) == (ranking == "question")
     held = smol.ctx.page.positions(0)
-    assert np.isin(held, smol._pos).all()  # no temporary cell left behind
-    assert smol._pos == list(range(len(smol.history)))  # positions unchanged: the probe decodes took none
+    assert np.isin(held, smol.conv.pos).all()  # no temporary cell left behind
+    assert smol.conv.pos == list(range(len(smol.history)))  # positions unchanged: the probe decodes took none
     if ranking == "question":
         assert "8841" in answer, answer
     else:
@@ -115,7 +115,7 @@ def test_an_answer_evicts_earlier_turns_never_the_message_it_answers(tiny, monke
         msg = message_positions(eng, start, 250)
         held = eng.ctx.page.positions(0)
         assert np.isin(msg, held).all()  # the message it answers: every cell
-        assert np.isin(np.asarray(eng._pos[start + 250:]), held).all()  # and the answer
+        assert np.isin(np.asarray(eng.conv.pos[start + 250:]), held).all()  # and the answer
         assert d.room_evicted > 0 and d.room_from[1] < msg[0]  # room came from the earlier turn only
         assert r.finish_reason == "context" and eng.cells_used() == eng.n_ctx  # then nothing else could go
 
@@ -129,7 +129,7 @@ def test_a_message_that_fits_whole_takes_the_answers_room_from_earlier_turns(tin
         list(s)
         d = s.decision
         assert d.chunks == 1 and d.prompt_held == d.prompt_tokens == 320 and d.room_evicted > 0
-        assert d.room_ranking == "question" and d.room_from[1] < eng._pos[start]
+        assert d.room_ranking == "question" and d.room_from[1] < eng.conv.pos[start]
 
 
 

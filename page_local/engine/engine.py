@@ -23,11 +23,11 @@ A turn (docs/design.md §5, "One turn through the engine"; every step is a turn.
 
 from __future__ import annotations
 
-import codecs
 import os
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -36,19 +36,22 @@ import numpy as np
 from page_local import defaults
 from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
-from page_local.engine.room import ANSWER_ROOM, ContextPolicy, check_on_full
-from page_local.engine.turn import AFTER_ANSWER, FIRST_CHUNK, N_SINK, W, Pipeline, supported
+from page_local.engine.generation import AnswerLoop
+from page_local.engine.room import ANSWER_ROOM, RoomMaker, RoomRules, check_on_full
+from page_local.engine.selfcheck import AfterAnswer, SelfCheck
+from page_local.engine.transcript import Transcript
+from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, Pipeline, supported
 from page_local.errors import ContextFull, EngineBusy, StateFileError
 from page_local.evictors import get_evictor
 from page_local.evictors.base import resolve_budget
 from page_local.evictors.lorekv import MAX_FUTURES
 from page_local.gate import BASE_MODE, SEARCH_MODES, VERIFY_MODES, Gate, check_gate_mode
 from page_local.native.runtime import Context, ContextConfig, Model
-from page_local.native.sampler import make_sampler, sample
+from page_local.native.sampler import make_sampler
 from page_local.store import models
 from page_local.store.persist import Snapshot
 from page_local.store.gguf import model_identity
-from page_local.verify import VERIFY_CAP, VERIFY_RULE, check_rule, kl
+from page_local.verify import VERIFY_CAP, VERIFY_RULE, check_rule
 
 __all__ = ["Decision", "Engine", "Result", "Sampling", "Stream"]
 
@@ -84,7 +87,43 @@ class Stream:
 MIN_BATCH = 64  # Engine(n_batch=...): room for the probe's window (turn.W tokens) in one batch
 
 
-class Engine(ContextPolicy):
+class SettingError(ValueError):
+    """A turn setting refused by the engine's own rule; .field names it (gate, evictor, budget, ...)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class TurnSettings:
+    """What one turn runs with, resolved once before it starts and passed down as a value: the engine's own
+    settings (Engine.turn_settings()), or those with a request's overrides. Nothing of the engine is changed
+    to run a turn with other settings."""
+    gate_mode: str
+    gate: Gate
+    evictor: object  # an evictor instance (evictors/)
+    budget: float | int
+    ladder: tuple
+    verify_tokens: int
+    verify_rule: str
+    verify_threshold: float
+    on_full: str
+    n_keep: int
+    compact: bool
+    seed: int
+
+    @property
+    def verifies(self) -> bool:
+        return self.gate_mode in VERIFY_MODES
+
+    @property
+    def room_rules(self) -> RoomRules:
+        return RoomRules(on_full=self.on_full, n_keep=self.n_keep, compact=self.compact, seed=self.seed,
+                         evictor=self.evictor)
+
+
+class Engine:
     """A model, a context and the PAGE pipeline. Not thread-safe: use one engine per thread."""
 
     def __init__(self, model: str | os.PathLike | Model | None = None, n_ctx: int = defaults.N_CTX,
@@ -152,12 +191,9 @@ class Engine(ContextPolicy):
         self.model_id = model_identity(path)
         self.gate = Gate.for_model(self.model_id, BASE_MODE[gate])
         self.profile_warning = self.gate.warning
-        self.history: list[int] = []  # tokens in seq 0, in order (evicted ones included)
-        self._pos: list[int] = []  # the position of each history token (its index until gaps are closed)
-        # history indices evicted to make room (room.py), as opposed to by the speed budget; None: not known
-        # (a conversation restored from a snapshot, which does not record why its cells went)
-        self._room_out: set[int] | None = set()
+        self.conv = Transcript()  # the conversation's tokens, their positions, what room-making evicted
         self.pipeline = Pipeline(self.ctx, self.model)  # the turn's steps (turn.py), shared with eval and bench
+        self.room = RoomMaker(self.ctx, self.model, self.pipeline)  # room on demand (room.py)
         self._progress_fn = None  # set_progress
 
     # --- settings ----------------------------------------------------------------------------
@@ -250,16 +286,14 @@ class Engine(ContextPolicy):
                 self.reset()
                 return
             if n_tokens < len(self.history):
-                self.ctx.seq_rm(0, self._pos[n_tokens], -1)
-            del self.history[n_tokens:], self._pos[n_tokens:]
-            if self._room_out:
-                self._room_out = {i for i in self._room_out if i < n_tokens}
+                self.ctx.seq_rm(0, self.conv.pos[n_tokens], -1)
+            self.conv.truncate(n_tokens)
 
     def snapshot(self) -> Snapshot:
         """The conversation's cache and token history, copied to host memory (see restore)."""
         return Snapshot(model_id=self.model_id, n_ctx=self.n_ctx, history=tuple(self.history),
                         positions=tuple(int(p) for p in self.ctx.page.positions(0)), state=self.ctx.seq_state(0),
-                        history_pos=None if self._pos == list(range(len(self._pos))) else tuple(self._pos))
+                        history_pos=None if self.conv.pos == list(range(len(self.conv.pos))) else tuple(self.conv.pos))
 
     def restore(self, snap: Snapshot) -> None:
         """Replace the conversation with a snapshot (of this model, fitting this n_ctx). StateFileError if
@@ -286,19 +320,98 @@ class Engine(ContextPolicy):
                    f"cache type {a.cache_type}; a cache saved under another flash-attention setting or cache type "
                    "restores only under that one: --flash-attn / --cache-type)")
         if why is None:
-            self.history = list(snap.history)
-            self._pos = list(snap.history_pos) if snap.history_pos else list(range(len(snap.history)))
-            self._room_out = None if len(snap.positions) < len(snap.history) else set()
+            self.conv = Transcript(list(snap.history), _positions(snap),
+                                   None if len(snap.positions) < len(snap.history) else set())
             return
         self.reset()
         if before is not None:  # put the conversation back as it was
             self.ctx.set_seq_state(before.state, 0)
-            self.history = list(before.history)
-            self._pos = list(before.history_pos) if before.history_pos else list(range(len(before.history)))
+            self.conv = Transcript(list(before.history), _positions(before))
         raise StateFileError(why)
 
     def cells_used(self) -> int:
         return self.ctx.cells_used(0)
+
+    @property
+    def history(self) -> list[int]:
+        """The conversation's tokens in sequence 0, in order (evicted ones included)."""
+        return self.conv.history
+
+    # --- room on demand (room.py) ------------------------------------------------------------
+    @property
+    def room_ranking(self) -> str:
+        return self.room.ranking
+
+    def set_room_ranking(self, mode: str) -> None:
+        """'question' (the default: the message's own last W tokens rank the cells room-making evicts) or
+        'recent' (the conversation's newest queries, the earlier ranking, kept to compare)."""
+        self.room.set_ranking(mode)
+
+    @property
+    def room_evictor(self):
+        return self.room.evictor
+
+    def set_room_evictor(self, name: str, **options) -> None:
+        """The evictor that ranks the cells room-making evicts; it may need nothing but the probe."""
+        self.room.set_evictor(name, **options)
+
+    def turn_settings(self, gate: str | None = None, evictor: str | None = None, budget: float | int | None = None,
+                      verify_tokens: int | None = None, on_full: str | None = None) -> TurnSettings:
+        """The settings a turn runs with: the engine's, with these overrides (None: the engine's). Each is
+        checked by the engine's own rule; SettingError (a ValueError) names the one refused. Pass the value to
+        stream() or generate(): the engine's own settings are left as they are."""
+        mode, ev = self.gate_mode, self._evictor
+        try:
+            if gate is not None:
+                mode = check_gate_mode(gate)
+        except ValueError as e:
+            raise SettingError("gate", str(e)) from None
+        try:
+            if evictor is not None and evictor != ev.name:
+                ev = supported(get_evictor(evictor))
+        except ValueError as e:
+            raise SettingError("evictor", str(e)) from None
+        try:
+            check_pair(ev, mode)
+        except ValueError as e:
+            raise SettingError("evictor" if evictor is not None else "gate", str(e)) from None
+        try:
+            if budget is not None:
+                resolve_budget(budget, 10_000, W, N_SINK)
+        except ValueError as e:
+            raise SettingError("budget", str(e)) from None
+        if verify_tokens is not None and (isinstance(verify_tokens, bool) or not isinstance(verify_tokens, int)
+                                          or not 1 <= verify_tokens <= 256):
+            raise SettingError("verify_tokens", f"verify_tokens must be an int in [1, 256], got {verify_tokens!r}")
+        try:
+            full = check_on_full(on_full) if on_full is not None else self.on_full
+        except ValueError as e:
+            raise SettingError("on_full", str(e)) from None
+        # the engine's Gate (its calibration, a threshold set on it) unless the mode changes
+        g = self.gate if mode == self.gate_mode else Gate(BASE_MODE[mode], self.gate.profile)
+        return TurnSettings(gate_mode=mode, gate=g, evictor=ev, budget=self.budget if budget is None else budget,
+                            ladder=self.ladder, verify_tokens=verify_tokens or self.verify_tokens,
+                            verify_rule=self.verify_rule, verify_threshold=self.verify_threshold, on_full=full,
+                            n_keep=self.n_keep, compact=self.compact, seed=self.seed)
+
+    def _fit_and_prefill(self, t: TurnSettings, toks: list[int], reserve: int, evict_now: bool,
+                         select: bool = True) -> tuple[Decision, tuple | None]:
+        """The turn's prefill through room-making (RoomMaker.fit): the message's last part is prefilled,
+        probed and gated here."""
+        def save():
+            return (self.snapshot() if self.history else None,
+                    None if self.conv.room_out is None else set(self.conv.room_out))
+
+        def back(point) -> None:
+            before, room_out = point
+            self.reset()
+            if before is not None:
+                self._restore(before)
+                self.conv.room_out = room_out
+
+        return self.room.fit(self.conv, toks, reserve, t.room_rules,
+                             lambda part: self._prefill_and_gate(t, part, evict_now=evict_now, select=select),
+                             save, back)
 
     def cache_map(self) -> tuple[np.ndarray, np.ndarray | None]:
         """Which tokens of the conversation the cache holds now, and why the others went: (bool
@@ -307,43 +420,44 @@ class Engine(ContextPolicy):
         the speed budget (the gate's Decision)."""
         with self._busy():
             held = np.zeros(len(self.history), dtype=bool)
-            held[held_indices(self._pos, self.ctx.page.positions(0))] = True
-            if self._room_out is None:
+            held[self.conv.indices_of(self.ctx.page.positions(0))] = True
+            if self.conv.room_out is None:
                 return held, None
             room = np.zeros(len(self.history), dtype=bool)
-            room[[i for i in self._room_out if i < room.size]] = True
+            room[[i for i in self.conv.room_out if i < room.size]] = True
             return held, room & ~held
 
     def reset(self) -> None:
         """Forget the conversation: the KV cache is cleared."""
         self.ctx.clear()
-        self.history = []
-        self._pos = []
-        self._room_out = set()
+        self.conv.clear()
 
     # --- one turn ----------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS, sampling: Sampling | None = None,
-               add_special: bool = True) -> Stream:
-        """Continue the conversation with `prompt`; returns a Stream of text pieces (see Stream)."""
+               add_special: bool = True, settings: TurnSettings | None = None) -> Stream:
+        """Continue the conversation with `prompt`; returns a Stream of text pieces (see Stream). settings:
+        what this turn runs with (turn_settings(...) with a request's overrides); None: the engine's."""
         def run(out: Stream) -> Iterator[str]:
             with self._busy():
                 self._active = out
                 try:
-                    yield from self._turn(prompt, max_tokens, sampling or Sampling(), add_special, out)
+                    yield from self._turn(prompt, max_tokens, sampling or Sampling(), add_special, out,
+                                          settings or self.turn_settings())
                 finally:
                     self._active = None
         return Stream(run)
 
     def generate(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS,
                  sampling: Sampling | None = None, on_text: Callable[[str], None] | None = None,
-                 add_special: bool = True) -> Result:
+                 add_special: bool = True, settings: TurnSettings | None = None) -> Result:
         """Run one turn on a fresh cache (the conversation is reset first) and return the Result."""
         out = Stream()  # holds the decision and the result
         # Take the lock before reset(): a second thread must get EngineBusy, not clear the cache under
         # the turn that is running.
         with self._busy():
             self.reset()
-            for piece in self._turn(prompt, max_tokens, sampling or Sampling(), add_special, out):
+            for piece in self._turn(prompt, max_tokens, sampling or Sampling(), add_special, out,
+                                    settings or self.turn_settings()):
                 if on_text:
                     on_text(piece)
         return out.result
@@ -356,7 +470,7 @@ class Engine(ContextPolicy):
             toks = self._tokens(prompt, add_special)
             if len(toks) + 1 > self.ctx.n_ctx:
                 raise ContextFull(0, len(toks) + 1, self.ctx.n_ctx)
-            dec, _ = self._prefill_and_gate(toks, select=False)
+            dec, _ = self._prefill_and_gate(self.turn_settings(), toks, select=False)
             return dec
 
     def prefill(self, prompt: str | list[int], add_special: bool = True) -> Decision:
@@ -366,8 +480,9 @@ class Engine(ContextPolicy):
         A prompt that does not fit is handled by the context policy (on_full), as a live turn's."""
         with self._busy():
             toks = self._tokens(prompt, add_special)
-            verify = self.gate_mode in VERIFY_MODES
-            dec, _ = self._fit_and_prefill(toks, 1, evict_now=True, select=not verify)
+            t = self.turn_settings()
+            verify = t.verifies
+            dec, _ = self._fit_and_prefill(t, toks, 1, evict_now=True, select=not verify)
             if verify:
                 dec.reason = ("prefilled without an answer: self-verification has nothing to check, so the "
                               "speed budget evicted nothing")
@@ -399,7 +514,8 @@ class Engine(ContextPolicy):
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.model.n_vocab - 1})")
         return toks
 
-    def _turn(self, prompt, max_tokens: int, sampling: Sampling, add_special: bool, stream: Stream) -> Iterator[str]:
+    def _turn(self, prompt, max_tokens: int, sampling: Sampling, add_special: bool, stream: Stream,
+              t: TurnSettings) -> Iterator[str]:
         sampling.validate()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
@@ -409,88 +525,33 @@ class Engine(ContextPolicy):
         # answer that grows past it makes room from earlier turns then); the verify modes also need the
         # candidate's copy of it
         reserve = min(max_tokens, max(1, ctx.n_ctx // 4), ANSWER_ROOM)
-        if self.gate_mode in VERIFY_MODES:  # one copy of the answer (search batches first chunks if room is left)
-            reserve += min(max_tokens, self.verify_tokens) + 1
+        if t.verifies:  # one copy of the answer (search batches first chunks if room is left)
+            reserve += min(max_tokens, t.verify_tokens) + 1
         start = len(self.history)  # where this message begins: an answer never evicts it to make room
         self.pipeline.progress = self._progress_of(len(toks))
         try:
-            dec, plan = self._fit_and_prefill(toks, reserve, evict_now=self.gate_mode not in VERIFY_MODES)
+            dec, plan = self._fit_and_prefill(t, toks, reserve, evict_now=not t.verifies)
         finally:
             self.pipeline.progress = None
         stream.decision = dec
 
-        # generation: sample, yield, then decode; what the caller has seen is in the cache once the stream
-        # goes on or is closed
+        # generation (generation.py), with the verify cap and room for a growing answer plugged in
+        check = None if plan is None else SelfCheck(ctx, self.pipeline, dec, plan, t.verify_rule, t.verify_threshold,
+                                                    t.verify_tokens, t.ladder, t.compact)
+        room = None if t.on_full != "evict" else (
+            lambda: self.room.for_answer(self.conv, dec, reserve, start, t.room_rules))
         sampler = self._sampler(sampling)
-        want_lp = sampling.logprobs is not None
-        out: list[int] = []
-        full_logits: list[np.ndarray] = []  # f32 (n_vocab,) of the full cache at each step, while verifying
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        finish = "length"
-        t0 = time.perf_counter()
-        used = self.cells_used()  # kept up to date below: no native scan of the cells per token
-        limit = self._pos_limit()
-        pending = None  # (token, position) yielded but not decoded yet
+        loop = AnswerLoop(ctx, self.model, self.conv, sampler, max_tokens, self.room.pos_limit,
+                          logprobs=sampling.logprobs, check=check, room=room)
+        loop.logprobs = stream.logprobs  # the stream shows them as they come
         try:
-            for _ in range(max_tokens):
-                if plan is not None:
-                    full_logits.append(ctx.logits())
-                logits = (full_logits[-1] if plan is not None else ctx.logits()) if want_lp else None
-                tok = sample(sampler, ctx)
-                if self.model.is_eog(tok):
-                    finish = "stop"
-                    if plan is not None and out:  # the answer ended inside the span: check it, end included
-                        self._verify(dec, plan, out, full_logits, end=tok)
-                        plan = None
-                    break
-                pos = ctx.seq_pos_max(0) + 1
-                if used + 1 > ctx.n_ctx or pos >= limit:
-                    # the answer outgrew the context: make room from earlier turns, never from the
-                    # message it answers (never while a verification is pending: its candidate shares
-                    # these cells); when nothing else can go, the answer ends here
-                    if plan is not None or self.on_full != "evict" or not self._room_for_answer(dec, reserve, start):
-                        finish = "context"
-                        break
-                    used, pos = self.cells_used(), ctx.seq_pos_max(0) + 1
-                if want_lp:
-                    stream.logprobs.append(token_logprobs(logits, tok, sampling.logprobs))
-                # the piece goes out before the token is decoded (as llama-server sends it): the first
-                # token is not held back by a decode step; closed at the yield, the token is decoded then
-                piece = decoder.decode(self.model.token_to_piece(tok))
-                pending = (tok, pos)
-                if piece:
-                    yield piece
-                pending = None
-                ctx.decode([tok], pos, 0)
-                used += 1
-                self.history.append(tok)
-                self._pos.append(pos)
-                out.append(tok)
-                if plan is not None and len(out) == self.verify_tokens:  # the cap: decide on what there is
-                    self._verify(dec, plan, out, full_logits, until="cap")
-                    plan = None
-                    used = self.cells_used()
-            if plan is not None and out:  # max_tokens or a full context before the cap: check what there is
-                self._verify(dec, plan, out, full_logits[: len(out)], until="length")
-                plan = None
-            tail = decoder.decode(b"", final=True)
-            if tail:
-                yield tail
-        except (GeneratorExit, KeyboardInterrupt):
-            finish = "interrupted"
-            if pending is not None:  # closed at a piece's yield: what the caller has seen goes in the cache
-                tok, pos = pending
-                ctx.decode([tok], pos, 0)
-                self.history.append(tok)
-                self._pos.append(pos)
-                out.append(tok)
-            raise
+            yield from loop
         finally:
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
             sampler.close()
-            gen_s = time.perf_counter() - t0
-            stream.result = Result(self.model.detokenize(out), out, dec, finish, len(toks), gen_s,
-                                   list(stream.logprobs) if want_lp else None)
+            out = loop.out
+            stream.result = Result(self.model.detokenize(out), out, dec, loop.finish, len(toks), loop.seconds,
+                                   list(stream.logprobs) if sampling.logprobs is not None else None)
 
     def _sampler(self, sampling: Sampling):
         """llama.cpp's sampler chain for this answer. Its grammar and penalties see the answer's tokens
@@ -510,77 +571,7 @@ class Engine(ContextPolicy):
                             grammar=s.grammar,
                             model=self.model)
 
-    def _verify(self, dec: Decision, plan: tuple, out: list[int], full_logits: list[np.ndarray],
-                end: int | None = None, until: str = "end") -> None:
-        """Self-verified eviction: teacher-force the generated tokens on evicted copies of the sequence
-        (sharing the prompt's cells; every rung's first chunk in one batch when the cache has room, then one
-        at a time), smallest first and in growing chunks that stop where a copy fails (Pipeline.check_ladder);
-        commit the first copy that passes
-        (one copy under verify, one per ladder rung under search). end:
-        the end-of-generation token the full cache chose after out (then full_logits has one more
-        entry, and the candidate must end the answer there too). Updates dec."""
-        ctx, pipe = self.ctx, self.pipeline
-        keeps, held, last_pos, last_tok = plan  # keeps: [(B, keep)], smallest B first, or a function of the answer
-        m = len(out)
-        t0 = time.perf_counter()
-        dec.verify_threshold, dec.verify_rule = self.verify_threshold, self.verify_rule
-        if self.cells_used() + m + 1 > ctx.n_ctx:  # one candidate at a time holds a copy of the answer
-            dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
-            return
-        if callable(keeps):  # keep sets scored by this answer (lorekv-answer): chosen now
-            keeps, dec.lookahead_ms = keeps(out)
-        y = list(out) + ([end] if end is not None else [])
-        k = len(y)  # positions: m answer tokens (+ the answer's end)
-        full_logits = full_logits[:k]
-        # every rung's first chunk goes in one batch when the cache has room for those copies too
-        batch_first = self.cells_used() + m + 1 + (len(keeps) - 1) * FIRST_CHUNK <= ctx.n_ctx
-        chosen, tried, forced = pipe.check_ladder([keep for _, keep in keeps], held, last_pos, [last_tok] + out,
-                                                  full_logits, y, self.verify_rule, self.verify_threshold,
-                                                  batch_first=batch_first)
-        if len(keeps) > 1:
-            labels = plan_labels(keeps, self.ladder, dec.T)
-            dec.search = [dict(B=B, label=label, score=None, passed=None) if t is None else
-                          dict(B=B, label=label, score=t.score.score, passed=t.score.passed, forced=t.forced)
-                          for (B, _), label, t in zip(keeps, labels, tried)]
-        i = chosen if chosen is not None else len(keeps) - 1  # the verdict told: the chosen or the largest rung
-        told = tried[i]
-        v, changed = told.score, told.changed
-        dec.verify_forced = forced
-        dec.B = keeps[i][0]
-        commit = chosen is not None
-        if commit:  # the candidate already holds the m tokens: it becomes the sequence
-            ctx.seq_rm(0, -1, -1)
-            ctx.seq_cp(1, 0)
-            ctx.seq_rm(1, -1, -1)
-            p = ctx.seq_pos_max(0)
-            ctx.seq_rm(0, p, p + 1)  # the newest token again, so that the next one is sampled from this cache
-            if self.compact:
-                ctx.page.compact(0)
-            ctx.decode([out[-1]], p, 0)
-        else:  # every candidate is gone already (check_ladder removes those that fail)
-            p = ctx.seq_pos_max(0)  # restore seq 0's next-token logits
-            ctx.seq_rm(0, p, p + 1)
-            ctx.decode([out[-1]], p, 0)
-        dec.verify_m, dec.verify_until = m, until
-        dec.verify_score, dec.verify_delta, dec.verify_max, dec.verify_changed = v.score, v.mean, v.max, v.changed
-        dec.verify_top1, dec.verify_kl_first = float(1.0 - changed.mean()), kl(full_logits[0], told.first_logits)
-        dec.verify_ms = (time.perf_counter() - t0) * 1e3
-        dec.evicted = commit
-        dec.kept = self.cells_used() - m  # prompt positions held after the decision
-        dec.compression = dec.T / dec.kept if dec.kept else 1.0
-        span = {"end": f"the whole answer ({m} tokens and its end)", "cap": f"the first {m} tokens (the cap)",
-                "length": f"all {m} tokens generated"}[until]
-        if dec.search:
-            tried = ", ".join(f"{r['label']} " + {True: "passed", False: f"failed within {r.get('forced')} tokens",
-                                                    None: "not needed"}[r["passed"]] for r in dec.search)
-            dec.reason += (f"; budget search over {span}, smallest first ({tried}): "
-                           + (f"committed the smallest that passed, B = {dec.B}" if commit else "kept the full cache"))
-        else:
-            stop = "" if commit or dec.verify_forced >= m + 1 else f" within the first {dec.verify_forced} tokens"
-            dec.reason += (f"; self-verification over {span}: {v.describe()}{stop}, "
-                           + ("eviction committed" if commit else "kept the full cache"))
-
-    def _prefill_and_gate(self, toks: list[int], evict_now: bool = True,
+    def _prefill_and_gate(self, t: TurnSettings, toks: list[int], evict_now: bool = True,
                           select: bool = True) -> tuple[Decision, tuple | None]:
         """Prefill, probe, gate and (evict_now) evict. Returns the Decision and, when the gate opened
         and T > B but evict_now is False, the eviction plan (keep, held, last_pos, last_tok) for the
@@ -590,24 +581,23 @@ class Engine(ContextPolicy):
         pos0 = ctx.seq_pos_max(0) + 1
         n_hist = len(self.history)
         try:
-            return self._prefill_and_gate_impl(toks, pos0, evict_now, select)
+            return self._prefill_and_gate_impl(t, toks, pos0, evict_now, select)
         except BaseException:
             ctx.seq_rm(0, pos0, -1)
             ctx.page.disarm_probe()
-            del self.history[n_hist:], self._pos[n_hist:]
+            self.conv.truncate(n_hist)
             raise
 
-    def _prefill_and_gate_impl(self, toks, pos0, evict_now, select):
-        pipe, ev = self.pipeline, self._evictor
+    def _prefill_and_gate_impl(self, t: TurnSettings, toks, pos0, evict_now, select):
+        pipe, ev = self.pipeline, t.evictor
         t0 = time.perf_counter()
         pre = pipe.prefill(toks, pos0, 0, track_attention=select and "prefill_attention" in ev.needs)
-        self.history.extend(toks)
-        self._pos.extend(range(pos0, pos0 + len(toks)))
+        self.conv.extend(toks, pos0)
         # the speed budget is a share of the whole conversation, so a turn evicts only what brings the
         # cells back to it: earlier turns are not cut again by the same ratio on every turn
         T = len(self.history)
-        B = resolve_budget(self.budget, T, W, N_SINK)
-        g = self.gate.decide(pre.D, n_tokens=T) if (pre.D is not None or self.gate.mode != "page") else None
+        B = resolve_budget(t.budget, T, W, N_SINK)
+        g = t.gate.decide(pre.D, n_tokens=T) if (pre.D is not None or t.gate.mode != "page") else None
         t3 = time.perf_counter()
         is_open = bool(g.open) if g else False
         evicted, plan, lookahead_ms = False, None, None
@@ -617,39 +607,39 @@ class Engine(ContextPolicy):
                                    restore_logits=not evict_now)
             if "lookahead" in signals:
                 lookahead_ms = signals["lookahead"].ms
-            if self.gate_mode in SEARCH_MODES:  # one keep set per rung, smallest first, from one probe
-                rungs = sorted({resolve_budget(r, T, W, N_SINK) for r in self.ladder})
+            if t.gate_mode in SEARCH_MODES:  # one keep set per rung, smallest first, from one probe
+                rungs = sorted({resolve_budget(r, T, W, N_SINK) for r in t.ladder})
                 rungs = [b for b in rungs if b < pre.T] or [B]
             else:
                 rungs = [B]
             if ev.needs & AFTER_ANSWER:  # the keep sets wait for the full cache's answer (_verify)
-                plan = (_AfterAnswer(pipe, ev, pre, rungs, last_pos, signals, self.seed), pre.held, last_pos, last_tok)
-            elif self.gate_mode in SEARCH_MODES:
-                plan = ([(b, pipe.select(ev, pre, b, signals, self.seed)) for b in rungs], pre.held, last_pos, last_tok)
+                plan = (AfterAnswer(pipe, ev, pre, rungs, last_pos, signals, t.seed), pre.held, last_pos, last_tok)
+            elif t.gate_mode in SEARCH_MODES:
+                plan = ([(b, pipe.select(ev, pre, b, signals, t.seed)) for b in rungs], pre.held, last_pos, last_tok)
             else:
-                keep = pipe.select(ev, pre, B, signals, self.seed)
+                keep = pipe.select(ev, pre, B, signals, t.seed)
                 if evict_now:
-                    pipe.evict_in_place(0, keep, pre.held, last_pos, last_tok, compact=self.compact)
+                    pipe.evict_in_place(0, keep, pre.held, last_pos, last_tok, compact=t.compact)
                     evicted = True
                 else:
                     plan = ([(B, keep)], pre.held, last_pos, last_tok)
         t4 = time.perf_counter()
         reason = g.reason if g else "the probe saw fewer than 2 heads; keeping the full cache"
         verify = {}
-        if self.gate_mode in VERIFY_MODES:
-            if self.gate_mode == "verify":
+        if t.verifies:
+            if t.gate_mode == "verify":
                 reason = "gate mode 'verify': the evicted cache is checked on the answer (up to its end or the cap)"
-            elif self.gate_mode == "search":
+            elif t.gate_mode == "search":
                 reason = ("gate mode 'search': one candidate per budget of the ladder is checked on the answer; "
                           "the smallest that passes is committed")
             if is_open and pre.T <= B:  # nothing to evict: the candidate is the full cache itself
-                verify = dict(verify_m=0, verify_delta=0.0, verify_score=0.0, verify_rule=self.verify_rule,
-                              verify_threshold=self.verify_threshold)
+                verify = dict(verify_m=0, verify_delta=0.0, verify_score=0.0, verify_rule=t.verify_rule,
+                              verify_threshold=t.verify_threshold)
                 reason += f"; {pre.T} cells <= B = {B}: nothing to evict"
         kept = self.cells_used()
         return Decision(
             T=T, B=B, D=pre.D, z=g.z if g else None, open=is_open, evicted=evicted, kept=kept,
-            compression=T / kept if kept else 1.0, gate_mode=self.gate_mode,
+            compression=T / kept if kept else 1.0, gate_mode=t.gate_mode,
             rule=g.rule if g else "none", reason=reason,
             evictor=ev.name, prefill_ms=pre.prefill_ms, probe_ms=pre.probe_ms,
             gate_ms=(t3 - t0) * 1e3 - pre.prefill_ms - pre.probe_ms, evict_ms=(t4 - t3) * 1e3,
@@ -682,41 +672,6 @@ class Engine(ContextPolicy):
         self.close()
 
 
-class _AfterAnswer:
-    """The keep sets of an evictor that reads the full cache's answer (evictor lorekv-answer): called
-    with the answer tokens at the check, it scores the prompt by their queries (one batch in sequence 1,
-    emptied again) and selects one keep set per budget, smallest first."""
-
-    def __init__(self, pipe: Pipeline, ev, pre, budgets: list[int], last_pos: int, signals: dict, seed: int):
-        self.pipe, self.ev, self.pre, self.budgets = pipe, ev, pre, budgets
-        self.last_pos, self.signals, self.seed = last_pos, signals, seed
-
-    def __call__(self, answer: list[int]) -> tuple[list, float]:
-        """([(B, keep)] smallest first, the milliseconds the scoring took)."""
-        la = self.pipe.answer_lookahead(self.ev.spec, answer, self.last_pos, seq=0, work=1)
-        sig = dict(self.signals, answer_lookahead=la)
-        return [(b, self.pipe.select(self.ev, self.pre, b, sig, self.seed)) for b in self.budgets], la.ms
-
-
-def token_logprobs(logits: np.ndarray, tok: int, n: int) -> tuple[int, float, list[tuple[int, float]]]:
-    """(tok, log p(tok), the n most likely tokens with theirs, most likely first) under f32 (n_vocab,)
-    logits, in f64."""
-    z = logits.astype(np.float64)
-    z -= z.max()
-    lp = z - np.log(np.exp(z).sum())
-    top = np.argpartition(-lp, n)[:n] if 0 < n < lp.size else np.arange(lp.size if n else 0)
-    top = top[np.argsort(-lp[top], kind="stable")]
-    return int(tok), float(lp[tok]), [(int(t), float(lp[t])) for t in top]
-
-
-def held_indices(pos_of, held) -> np.ndarray:
-    """i64 (len(held),): the history index of each held position. After close_gaps an evicted token shares
-    the position of the next held one (room.renumber) and comes before it: the last index with that
-    position is the held token."""
-    return np.searchsorted(np.asarray(pos_of, dtype=np.int64), np.asarray(held, dtype=np.int64),
-                           side="right") - 1
-
-
 def check_pair(evictor, gate_mode: str) -> None:
     """Refuse an evictor that reads the answer under a gate that evicts before there is one."""
     if evictor.needs & AFTER_ANSWER and gate_mode not in VERIFY_MODES:
@@ -725,13 +680,6 @@ def check_pair(evictor, gate_mode: str) -> None:
                          "verify, search, page+verify or page+search, or evictor lorekv")
 
 
-def plan_labels(keeps, ladder, T: int) -> list[str]:
-    """How each rung is called in the status line: '1/8' for a ratio 0.125, '1024' for a count."""
-    names = {}
-    for r in ladder:
-        b = resolve_budget(r, T, W, N_SINK)
-        if isinstance(r, float) and r > 0 and abs(1 / r - round(1 / r)) < 1e-9:
-            names.setdefault(b, f"1/{round(1 / r)}" if r < 1 else "all")
-        else:
-            names.setdefault(b, str(r))
-    return [names.get(b, str(b)) for b, _ in keeps]
+def _positions(snap: Snapshot) -> list[int]:
+    """The position of each history token of a snapshot (its index unless gaps were closed)."""
+    return list(snap.history_pos) if snap.history_pos else list(range(len(snap.history)))

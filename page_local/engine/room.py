@@ -35,11 +35,14 @@ cells 0..n-1 (llama_memory_seq_add; llama.cpp re-rotates the keys as its context
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 
-import time
-
 from page_local.engine.decision import Decision
+from page_local.engine.transcript import Transcript
 from page_local.engine.turn import N_SINK, TOP_K, W
 from page_local.errors import ContextFull
 from page_local.evictors import get_evictor
@@ -130,56 +133,79 @@ def _chunks(toks: list[int], size: int) -> list[list[int]]:
     return [toks[i: min(i + size, head)] for i in range(0, head, size)] + [toks[head:]]
 
 
-class ContextPolicy:
-    """The Engine's side of the policy above (Engine derives from it): fitting a turn that does not fit,
-    making room, and closing gaps. It works on the Engine's own state (ctx, history, _pos, pipeline)."""
+@dataclass(frozen=True)
+class RoomRules:
+    """What the Engine's settings say to room-making, handed over with each call: on_full "evict" or
+    "refuse"; n_keep: positions below it are never evicted (the system prompt); compact: move the held
+    cells together after evicting; seed: for an evictor that draws; evictor: the engine's speed evictor
+    (the "recent" ranking uses it when it reads only the probe)."""
+    on_full: str
+    n_keep: int
+    compact: bool
+    seed: int
+    evictor: object
 
-    room_ranking = ROOM_RANKINGS[0]  # what ranks the cells room-making evicts (set_room_ranking)
-    _room_evictor = None  # set_room_evictor; None: ROOM_EVICTOR
 
-    def set_room_evictor(self, name: str, **options) -> None:
+class RoomMaker:
+    """Room on demand, owned by the Engine: fitting a turn that does not fit, making room, closing gaps.
+    It drives the context it was made with; the conversation (a Transcript) and the Engine's rules are
+    handed to each call, and what it did is returned in the Decision and the `room` record."""
+
+    def __init__(self, ctx, model, pipeline):
+        self.ctx, self.model, self.pipeline = ctx, model, pipeline
+        self.ranking = ROOM_RANKINGS[0]  # what ranks the cells room-making evicts (set_ranking)
+        self._evictor = None  # set_evictor; None: ROOM_EVICTOR
+
+    def set_evictor(self, name: str, **options) -> None:
         """The evictor that ranks the cells room-making evicts; it may need nothing but the probe."""
         ev = get_evictor(name, **options)
         if not ev.needs <= {"probe"}:
             raise ValueError(f"evictor {name!r} needs {', '.join(sorted(ev.needs - {'probe'}))}, which room-making "
                              "does not provide; choose one that reads only the probe (snapkv, pyramidkv, "
                              "streamingllm, random)")
-        self._room_evictor = ev
+        self._evictor = ev
 
     @property
-    def room_evictor(self):
-        if self._room_evictor is None:
+    def evictor(self):
+        if self._evictor is None:
             name, options = ROOM_EVICTOR
-            self._room_evictor = get_evictor(name, **options)
-        return self._room_evictor
+            self._evictor = get_evictor(name, **options)
+        return self._evictor
 
-    def set_room_ranking(self, mode: str) -> None:
+    def set_ranking(self, mode: str) -> None:
         """'question' (the default: the message's own last W tokens rank the cells) or 'recent' (the
         conversation's newest queries, the earlier ranking, kept to compare)."""
-        self.room_ranking = check_room_ranking(mode)
+        self.ranking = check_room_ranking(mode)
 
-    def _fit_and_prefill(self, toks: list[int], reserve: int, evict_now: bool,
-                         select: bool = True) -> tuple[Decision, tuple | None]:
+    @property
+    def pos_limit(self) -> int:
+        """The first position past what the model was trained on (no limit when unknown)."""
+        return self.model.n_ctx_train if self.model.n_ctx_train > 0 else 1 << 62
+
+    def fit(self, conv: Transcript, toks: list[int], reserve: int, rules: RoomRules,
+            prefill: Callable[[list[int]], tuple[Decision, object]], save: Callable[[], object],
+            back: Callable[[object], None]) -> tuple[Decision, object]:
         """Prefill a turn that may not fit: refuse (on_full "refuse"), or make room by evicting earlier
         turns, and prefill a message longer than the context in parts with room made between them.
         reserve: the answer's room wanted; only earlier turns give it, unless the message itself is longer
-        than the context (then at most ANSWER_ROOM of it). Interrupted or failed, the conversation is left
-        as it was before the message."""
+        than the context (then at most ANSWER_ROOM of it). prefill(part): the Engine's prefill, probe and gate
+        of the message's last part, returning (Decision, plan). save() / back(point): the conversation as it
+        is, and put back as it was: interrupted or failed, the conversation is left as before the message."""
         ctx, n_ctx = self.ctx, self.ctx.n_ctx
-        used = self.cells_used()
+        used = ctx.cells_used(0)
         fits = used + len(toks) + reserve + 1 <= n_ctx
-        if self.on_full == "refuse" or (fits and ctx.seq_pos_max(0) + len(toks) + reserve < self._pos_limit()):
+        if rules.on_full == "refuse" or (fits and ctx.seq_pos_max(0) + len(toks) + reserve < self.pos_limit):
             if used + len(toks) + 1 > n_ctx:
                 raise ContextFull(used, len(toks) + 1, n_ctx)
-            return self._prefill_and_gate(toks, evict_now=evict_now, select=select)
-        before = self.snapshot() if self.history else None
-        room_out = None if self._room_out is None else set(self._room_out)
+            return prefill(toks)
+        point = save()
         room = _room()
-        question = list(toks[-W:]) if self.room_ranking == "question" else None
+        question = list(toks[-W:]) if self.ranking == "question" else None
         try:
-            held, tokens = self._held_tokens()
+            held = ctx.page.positions(0)
+            tokens = conv.tokens_at(held)
             # cells that can never go: sinks, the system prompt, turn boundaries (no "latest turns" share)
-            hard = int(protected(held, tokens, self.n_keep, 0, self.model.is_control).sum())
+            hard = int(protected(held, tokens, rules.n_keep, 0, self.model.is_control).sum())
             if hard + len(toks) + 1 + min(reserve, MIN_ANSWER) <= n_ctx:
                 # it fits whole once earlier turns go: never evicted itself (never upfront, for an answer
                 # that may stay short); its answer gets what earlier turns can give, up to reserve
@@ -194,49 +220,36 @@ class ContextPolicy:
                 parts = _chunks(toks, size) if len(toks) > size else [toks]
             probe = None
             for part in parts[:-1]:
-                self._make_room(len(part), room, probe, question)
-                self._close_gaps(len(part), room)
+                self.make_room(conv, len(part), room, rules, probe, question)
+                self.close_gaps(conv, len(part), room)
                 pos0 = ctx.seq_pos_max(0) + 1
                 probe = self.pipeline.prefill(part, pos0, 0).probe  # "recent": its newest queries rank the next room
-                self.history.extend(part)
-                self._pos.extend(range(pos0, pos0 + len(part)))
+                conv.extend(part, pos0)
             room["chunks"] = len(parts)
-            self._make_room(len(parts[-1]) + answer, room, probe, question)
-            self._close_gaps(len(parts[-1]) + answer, room)
-            dec, plan = self._prefill_and_gate(parts[-1], evict_now=evict_now, select=select)
+            self.make_room(conv, len(parts[-1]) + answer, room, rules, probe, question)
+            self.close_gaps(conv, len(parts[-1]) + answer, room)
+            dec, plan = prefill(parts[-1])
         except BaseException:
-            self.reset()
-            if before is not None:  # the message never happened
-                self._restore(before)
-                self._room_out = room_out
+            back(point)  # the message never happened
             raise
-        prompt_pos = np.asarray(self._pos[len(self.history) - len(toks):], dtype=np.int64)
-        dec.prompt_tokens, dec.prompt_held = len(toks), int(np.isin(prompt_pos, self.ctx.page.positions(0)).sum())
-        self._tell_room(dec, room)
+        prompt_pos = np.asarray(conv.pos[len(conv) - len(toks):], dtype=np.int64)
+        dec.prompt_tokens, dec.prompt_held = len(toks), int(np.isin(prompt_pos, ctx.page.positions(0)).sum())
+        tell_room(dec, room)
         return dec, plan
 
-    def _pos_limit(self) -> int:
-        """The first position past what the model was trained on (no limit when unknown)."""
-        return self.model.n_ctx_train if self.model.n_ctx_train > 0 else 1 << 62
-
-    def _held_tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        """(i32 positions held, the token at each)."""
-        held = self.ctx.page.positions(0)
-        idx = np.searchsorted(np.asarray(self._pos, dtype=np.int64), held)
-        return held, np.asarray(self.history, dtype=np.int64)[idx] if held.size else np.zeros(0, np.int64)
-
-    def _make_room(self, need: int, room: dict, probe=None, question: list[int] | None = None,
-                   floor: int | None = None, want: int = 0) -> None:
+    def make_room(self, conv: Transcript, need: int, room: dict, rules: RoomRules, probe=None,
+                  question: list[int] | None = None, floor: int | None = None, want: int = 0) -> None:
         """Evict earlier cells so that `need` more fit (and, as far as the low-water mark allows, `want`
         more); ContextFull when the protected ones alone leave too little. question: the tokens whose
         queries rank the cells (None: the conversation's newest, or `probe`'s). floor: positions from it on
         are never evicted (the message an answer answers, and the answer so far)."""
         ctx, n_ctx = self.ctx, self.ctx.n_ctx
-        held, tokens = self._held_tokens()
+        held = ctx.page.positions(0)
+        tokens = conv.tokens_at(held)
         if held.size + need + want + 1 <= n_ctx:
             return
-        hard = protected(held, tokens, self.n_keep, 0, self.model.is_control)
-        prot = protected(held, tokens, self.n_keep, n_ctx, self.model.is_control)
+        hard = protected(held, tokens, rules.n_keep, 0, self.model.is_control)
+        prot = protected(held, tokens, rules.n_keep, n_ctx, self.model.is_control)
         if floor is not None:
             hard |= held >= floor
             prot |= held >= floor
@@ -253,26 +266,25 @@ class ContextPolicy:
         if n_rank < cand.size:
             if n_rank:
                 # "recent" is the ranking as it was: the engine's evictor (if it reads only the probe), unpooled
-                ev = self.room_evictor if self.room_ranking == "question" else (
-                    self._evictor if self._evictor.needs <= {"probe"} else get_evictor("snapkv"))
+                ev = self.evictor if self.ranking == "question" else (
+                    rules.evictor if rules.evictor.needs <= {"probe"} else get_evictor("snapkv"))
                 probe = self._ranking_probe(held, tokens, probe, question, room)
                 # the evictor ranks the unprotected cells only: the protected ones cost it nothing
                 inp = EvictionInput(held=cand, budget=n_rank, window=np.zeros(0, np.int32), n_sink=0, probe=probe,
-                                    seed=self.seed)
+                                    seed=rules.seed)
                 drop = np.setdiff1d(cand, ev.select(inp), assume_unique=True)
             else:
                 drop = cand
             ctx.page.evict(0, drop)
-            if self._room_out is not None:  # which history tokens went, and why (Engine.cache_map)
-                idx = np.searchsorted(np.asarray(self._pos, dtype=np.int64), drop, side="right") - 1
-                self._room_out.update(int(i) for i in idx)  # (the held token of a shared position: renumber)
-            if self.compact:
+            if conv.room_out is not None:  # which history tokens went, and why (Engine.cache_map)
+                conv.room_out.update(int(i) for i in conv.indices_of(drop))  # (the held token of a shared position)
+            if rules.compact:
                 ctx.page.compact(0)
             room["evicted"] += int(drop.size)
             lo, hi = int(drop.min()), int(drop.max())
             room["from"] = (lo, hi) if room["from"] is None else (min(lo, room["from"][0]), max(hi, room["from"][1]))
-        if self.cells_used() + need + 1 > n_ctx:
-            raise ContextFull(self.cells_used(), need + 1, n_ctx)
+        if ctx.cells_used(0) + need + 1 > n_ctx:
+            raise ContextFull(ctx.cells_used(0), need + 1, n_ctx)
 
     def _ranking_probe(self, held: np.ndarray, tokens: np.ndarray, probe, question: list[int] | None, room: dict):
         """The probe whose queries rank the held cells. With a question: its tokens are decoded right after
@@ -282,7 +294,7 @@ class ContextPolicy:
         ctx = self.ctx
         pos0 = ctx.seq_pos_max(0) + 1
         n = min(len(question or ()), ctx.n_ctx - 1 - int(held.size))
-        if n > 0 and pos0 + n < self._pos_limit():
+        if n > 0 and pos0 + n < self.pos_limit:
             t0 = time.perf_counter()
             try:
                 ctx.page.arm_probe(0, TOP_K)
@@ -304,44 +316,45 @@ class ContextPolicy:
             probe = self.pipeline.prefill(tokens[-win.size:].tolist(), int(win[0]), 0).probe
         return probe
 
-    def _room_for_answer(self, dec: Decision, reserve: int, start: int) -> bool:
+    def for_answer(self, conv: Transcript, dec: Decision, reserve: int, start: int, rules: RoomRules) -> bool:
         """Make room while the answer is generated, from earlier turns only: the message it answers
         (history[start:]) and the answer so far are never evicted. True when there is room for one more
         token; False when nothing else can go (the answer then ends, finish "context")."""
         room = _room()
         try:
-            self._make_room(1, room, floor=self._pos[start] if start < len(self._pos) else None, want=reserve)
+            self.make_room(conv, 1, room, rules, floor=conv.pos[start] if start < len(conv.pos) else None,
+                           want=reserve)
         except ContextFull:
             return False
-        self._close_gaps(reserve, room)
-        self._tell_room(dec, room, add=True)
-        return self.cells_used() + 1 <= self.ctx.n_ctx and self.ctx.seq_pos_max(0) + 1 < self._pos_limit()
+        self.close_gaps(conv, reserve, room)
+        tell_room(dec, room, add=True)
+        return self.ctx.cells_used(0) + 1 <= self.ctx.n_ctx and self.ctx.seq_pos_max(0) + 1 < self.pos_limit
 
-    @staticmethod
-    def _tell_room(dec: Decision, room: dict, add: bool = False) -> None:
-        """Copy what room-making did into the Decision (add: on top of what the prefill did)."""
-        if add:
-            dec.room_evicted += room["evicted"]
-            dec.gaps_closed += room["closed"]
-            if room["from"] is not None:
-                f = dec.room_from
-                dec.room_from = room["from"] if f is None else (min(f[0], room["from"][0]), max(f[1], room["from"][1]))
-        else:
-            dec.room_evicted, dec.chunks, dec.gaps_closed = room["evicted"], room["chunks"], room["closed"]
-            dec.room_from = room["from"]
-        dec.room_ranking = dec.room_ranking or room["ranking"]
-        dec.room_probe_ms += room["probe_ms"]
-
-    def _close_gaps(self, need: int, room: dict) -> None:
+    def close_gaps(self, conv: Transcript, need: int, room: dict) -> None:
         """Renumber the held cells 0..n-1 when `need` more positions would pass the trained context."""
         ctx = self.ctx
-        if ctx.seq_pos_max(0) + 1 + need < self._pos_limit() or not ctx.can_shift():
+        if ctx.seq_pos_max(0) + 1 + need < self.pos_limit or not ctx.can_shift():
             return
         held = ctx.page.positions(0)
         for p0, p1, delta in gap_runs(held):
             ctx.seq_add(0, p0, p1, delta)
         room["closed"] += int(held[-1]) + 1 - int(held.size) if held.size else 0
-        self._pos = renumber(np.asarray(self._pos, dtype=np.int64), held).tolist()
+        conv.pos = renumber(np.asarray(conv.pos, dtype=np.int64), held).tolist()
+
+
+def tell_room(dec: Decision, room: dict, add: bool = False) -> None:
+    """Copy what room-making did into the Decision (add: on top of what the prefill did)."""
+    if add:
+        dec.room_evicted += room["evicted"]
+        dec.gaps_closed += room["closed"]
+        if room["from"] is not None:
+            f = dec.room_from
+            dec.room_from = room["from"] if f is None else (min(f[0], room["from"][0]), max(f[1], room["from"][1]))
+    else:
+        dec.room_evicted, dec.chunks, dec.gaps_closed = room["evicted"], room["chunks"], room["closed"]
+        dec.room_from = room["from"]
+    dec.room_ranking = dec.room_ranking or room["ranking"]
+    dec.room_probe_ms += room["probe_ms"]
 
 
 def _room() -> dict:

@@ -1,0 +1,128 @@
+"""Self-verified eviction, the answer's check (gate modes verify, page+verify, search, page+search).
+
+The full cache answers; the evicted copies of the prompt's cache (one per budget tried, sharing the prompt's
+cells in sequences 1..) are teacher-forced on that answer (turn.Pipeline.check_ladder), and the first copy
+whose loss passes verify.verify_score becomes the sequence. The decode loop (generation.AnswerLoop) calls
+SelfCheck once: at the answer's end, at the cap (`cap` tokens) or where the answer stopped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from page_local.engine.decision import Decision
+from page_local.engine.turn import FIRST_CHUNK, N_SINK, W, Pipeline
+from page_local.evictors.base import resolve_budget
+from page_local.verify import kl
+
+
+class SelfCheck:
+    """The check of one turn: dec is the turn's Decision (updated with the verdict), plan the eviction plan
+    the gate left ((keeps, held, last_pos, last_tok); keeps: [(B, keep)] smallest B first, or a function of
+    the answer); rule, threshold: verify.RULES; cap: the most answer tokens checked; ladder: the budgets as
+    the user gave them (for the status line); compact: move the committed copy's cells together."""
+
+    def __init__(self, ctx, pipeline: Pipeline, dec: Decision, plan: tuple, rule: str, threshold: float, cap: int,
+                 ladder, compact: bool):
+        self.ctx, self.pipeline, self.dec, self.plan = ctx, pipeline, dec, plan
+        self.rule, self.threshold, self.cap, self.ladder, self.compact = rule, threshold, cap, ladder, compact
+
+    def __call__(self, out: list[int], full_logits: list[np.ndarray], end: int | None = None,
+                 until: str = "end") -> None:
+        """Self-verified eviction: teacher-force the generated tokens on evicted copies of the sequence
+        (sharing the prompt's cells; every rung's first chunk in one batch when the cache has room, then one
+        at a time), smallest first and in growing chunks that stop where a copy fails (Pipeline.check_ladder);
+        commit the first copy that passes
+        (one copy under verify, one per ladder rung under search). end:
+        the end-of-generation token the full cache chose after out (then full_logits has one more
+        entry, and the candidate must end the answer there too). Updates dec."""
+        ctx, pipe, dec = self.ctx, self.pipeline, self.dec
+        keeps, held, last_pos, last_tok = self.plan  # keeps: [(B, keep)], smallest B first, or a function of the answer
+        m = len(out)
+        t0 = time.perf_counter()
+        dec.verify_threshold, dec.verify_rule = self.threshold, self.rule
+        if ctx.cells_used(0) + m + 1 > ctx.n_ctx:  # one candidate at a time holds a copy of the answer
+            dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
+            return
+        if callable(keeps):  # keep sets scored by this answer (lorekv-answer): chosen now
+            keeps, dec.lookahead_ms = keeps(out)
+        y = list(out) + ([end] if end is not None else [])
+        k = len(y)  # positions: m answer tokens (+ the answer's end)
+        full_logits = full_logits[:k]
+        # every rung's first chunk goes in one batch when the cache has room for those copies too
+        batch_first = ctx.cells_used(0) + m + 1 + (len(keeps) - 1) * FIRST_CHUNK <= ctx.n_ctx
+        chosen, tried, forced = pipe.check_ladder([keep for _, keep in keeps], held, last_pos, [last_tok] + out,
+                                                  full_logits, y, self.rule, self.threshold,
+                                                  batch_first=batch_first)
+        if len(keeps) > 1:
+            labels = plan_labels(keeps, self.ladder, dec.T)
+            dec.search = [dict(B=B, label=label, score=None, passed=None) if t is None else
+                          dict(B=B, label=label, score=t.score.score, passed=t.score.passed, forced=t.forced)
+                          for (B, _), label, t in zip(keeps, labels, tried)]
+        i = chosen if chosen is not None else len(keeps) - 1  # the verdict told: the chosen or the largest rung
+        told = tried[i]
+        v, changed = told.score, told.changed
+        dec.verify_forced = forced
+        dec.B = keeps[i][0]
+        commit = chosen is not None
+        if commit:  # the candidate already holds the m tokens: it becomes the sequence
+            ctx.seq_rm(0, -1, -1)
+            ctx.seq_cp(1, 0)
+            ctx.seq_rm(1, -1, -1)
+            p = ctx.seq_pos_max(0)
+            ctx.seq_rm(0, p, p + 1)  # the newest token again, so that the next one is sampled from this cache
+            if self.compact:
+                ctx.page.compact(0)
+            ctx.decode([out[-1]], p, 0)
+        else:  # every candidate is gone already (check_ladder removes those that fail)
+            p = ctx.seq_pos_max(0)  # restore seq 0's next-token logits
+            ctx.seq_rm(0, p, p + 1)
+            ctx.decode([out[-1]], p, 0)
+        dec.verify_m, dec.verify_until = m, until
+        dec.verify_score, dec.verify_delta, dec.verify_max, dec.verify_changed = v.score, v.mean, v.max, v.changed
+        dec.verify_top1, dec.verify_kl_first = float(1.0 - changed.mean()), kl(full_logits[0], told.first_logits)
+        dec.verify_ms = (time.perf_counter() - t0) * 1e3
+        dec.evicted = commit
+        dec.kept = ctx.cells_used(0) - m  # prompt positions held after the decision
+        dec.compression = dec.T / dec.kept if dec.kept else 1.0
+        span = {"end": f"the whole answer ({m} tokens and its end)", "cap": f"the first {m} tokens (the cap)",
+                "length": f"all {m} tokens generated"}[until]
+        if dec.search:
+            tried = ", ".join(f"{r['label']} " + {True: "passed", False: f"failed within {r.get('forced')} tokens",
+                                                    None: "not needed"}[r["passed"]] for r in dec.search)
+            dec.reason += (f"; budget search over {span}, smallest first ({tried}): "
+                           + (f"committed the smallest that passed, B = {dec.B}" if commit else "kept the full cache"))
+        else:
+            stop = "" if commit or dec.verify_forced >= m + 1 else f" within the first {dec.verify_forced} tokens"
+            dec.reason += (f"; self-verification over {span}: {v.describe()}{stop}, "
+                           + ("eviction committed" if commit else "kept the full cache"))
+
+
+class AfterAnswer:
+    """The keep sets of an evictor that reads the full cache's answer (evictor lorekv-answer): called
+    with the answer tokens at the check, it scores the prompt by their queries (one batch in sequence 1,
+    emptied again) and selects one keep set per budget, smallest first."""
+
+    def __init__(self, pipe: Pipeline, ev, pre, budgets: list[int], last_pos: int, signals: dict, seed: int):
+        self.pipe, self.ev, self.pre, self.budgets = pipe, ev, pre, budgets
+        self.last_pos, self.signals, self.seed = last_pos, signals, seed
+
+    def __call__(self, answer: list[int]) -> tuple[list, float]:
+        """([(B, keep)] smallest first, the milliseconds the scoring took)."""
+        la = self.pipe.answer_lookahead(self.ev.spec, answer, self.last_pos, seq=0, work=1)
+        sig = dict(self.signals, answer_lookahead=la)
+        return [(b, self.pipe.select(self.ev, self.pre, b, sig, self.seed)) for b in self.budgets], la.ms
+
+
+def plan_labels(keeps, ladder, T: int) -> list[str]:
+    """How each rung is called in the status line: '1/8' for a ratio 0.125, '1024' for a count."""
+    names = {}
+    for r in ladder:
+        b = resolve_budget(r, T, W, N_SINK)
+        if isinstance(r, float) and r > 0 and abs(1 / r - round(1 / r)) < 1e-9:
+            names.setdefault(b, f"1/{round(1 / r)}" if r < 1 else "all")
+        else:
+            names.setdefault(b, str(r))
+    return [names.get(b, str(b)) for b, _ in keeps]
