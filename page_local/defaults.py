@@ -15,7 +15,7 @@ LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2)  # the budgets gate mode "search" tries, 
 # the attention path and KV cache type (engine/attention.py): "auto" is page-local's measured choice
 FLASH_ATTN = ("auto", "on", "off")
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
-FLASH_ENV = "PAGE_LOCAL_FLASH_ATTN"  # what --flash-attn sets for a command
-CACHE_ENV = "PAGE_LOCAL_CACHE_TYPE"  # what --cache-type sets
+FLASH_ENV = "PAGE_LOCAL_FLASH_ATTN"  # the default of --flash-attn and Engine(flash_attn=None)
+CACHE_ENV = "PAGE_LOCAL_CACHE_TYPE"  # the default of --cache-type and Engine(cache_type=None)
 AUTOTUNE_ENV = "PAGE_LOCAL_AUTOTUNE"  # first-use attention tuning: on (default), off, or a time box in seconds
 AUTOTUNE_S = 30.0  # the first-use tuning's time box

@@ -73,11 +73,41 @@ def test_a_quantized_cache_without_flash_attention_is_refused_in_one_sentence():
 def test_the_environment_fills_what_was_not_asked(monkeypatch):
     monkeypatch.setenv(attention.FLASH_ENV, "ON")
     monkeypatch.setenv(attention.CACHE_ENV, "q8_0")
-    assert attention.from_environment("auto", None) == ("on", "q8_0")
-    assert attention.from_environment("off", "f16") == ("off", "f16")  # explicit values win
+    assert attention.from_environment() == attention.AttentionSettings("on", "q8_0")
+    # given values win, "auto" included: it is asked for, not left out
+    assert attention.from_environment("auto", "f16") == attention.AttentionSettings("auto", "f16")
+    assert attention.from_environment("off", None) == attention.AttentionSettings("off", "q8_0")
     monkeypatch.setenv(attention.FLASH_ENV, "fast")
     with pytest.raises(ValueError, match=r"\$PAGE_LOCAL_FLASH_ATTN must be one of"):
-        attention.from_environment("auto", None)
+        attention.from_environment()
+    monkeypatch.delenv(attention.FLASH_ENV)
+    monkeypatch.delenv(attention.CACHE_ENV)
+    assert attention.from_environment() == attention.AttentionSettings("auto", "f16")
+
+
+def test_attention_settings_are_checked_values():
+    with pytest.raises(ValueError, match="flash_attn must be one of auto, on, off; got 'yes'"):
+        attention.AttentionSettings("yes")
+    with pytest.raises(ValueError, match="cache type must be one of f16, q8_0, q4_0; got 'q5_1'"):
+        attention.AttentionSettings("on", "q5_1")
+    with pytest.raises(AttributeError):
+        attention.AttentionSettings().flash_attn = "on"  # frozen: passed down as a value
+
+
+def test_an_engines_arguments_read_the_environment_only_for_what_was_not_given(monkeypatch):
+    monkeypatch.setenv(attention.FLASH_ENV, "off")
+    monkeypatch.setenv(attention.CACHE_ENV, "q4_0")
+    given = attention.AttentionSettings("on", "q8_0")
+    assert attention.engine_settings(given, None, None) is given  # resolved by the caller: the environment unread
+    assert attention.engine_settings(None, "on", None) == attention.AttentionSettings("on", "q4_0")
+    assert attention.engine_settings(None, None, None, type_kv="f16") == attention.AttentionSettings("off", "f16")
+    assert attention.engine_settings(None, None, "q8_0", type_kv="q8_0").cache_type == "q8_0"
+    with pytest.raises(ValueError, match="type_kv is the older name of cache_type"):
+        attention.engine_settings(None, None, "q8_0", type_kv="f16")
+    with pytest.raises(ValueError, match="not both"):
+        attention.engine_settings(given, "off", None)
+    with pytest.raises(ValueError, match="must be an AttentionSettings"):
+        attention.engine_settings(("on", "f16"), None, None)
 
 
 # --- the store -------------------------------------------------------------------------------
@@ -217,7 +247,7 @@ def test_every_step_on_each_path_and_cache_type(smollm2_path, fa, ct, tmp_path):
     this attention path and cache type."""
     from page_local.engine import Engine
 
-    with Engine(smollm2_path, n_ctx=256, budget=0.5, gate="always", flash_attn=fa, type_kv=ct, threads=2) as eng:
+    with Engine(smollm2_path, n_ctx=256, budget=0.5, gate="always", flash_attn=fa, cache_type=ct, threads=2) as eng:
         assert (eng.attention.flash_attn, eng.attention.cache_type) == (fa, ct)
         assert eng.ctx.config.flash_attn == fa and eng.ctx.config.type_kv == ct
         d = _turn(eng, DOC, 4).decision
@@ -232,6 +262,24 @@ def test_every_step_on_each_path_and_cache_type(smollm2_path, fa, ct, tmp_path):
         eng.set_gate("never")
         d3 = _turn(eng, " " + DOC, 2).decision  # does not fit beside the conversation: room is made
         assert d3.room_evicted > 0 and eng.cells_used() <= eng.n_ctx
+
+
+def test_an_engine_takes_attention_settings_as_a_value(smollm2_path, monkeypatch):
+    from page_local.engine import Engine
+
+    monkeypatch.setenv(attention.FLASH_ENV, "off")
+    monkeypatch.setenv(attention.CACHE_ENV, "q4_0")
+    settings = attention.AttentionSettings("on", "q8_0")
+    with Engine(smollm2_path, n_ctx=256, gate="never", attention_settings=settings, threads=2) as eng:
+        assert (eng.attention.flash_attn, eng.attention.cache_type) == ("on", "q8_0")  # the environment unread
+    with Engine(smollm2_path, n_ctx=256, gate="never", flash_attn="on", threads=2) as eng:
+        assert (eng.attention.flash_attn, eng.attention.cache_type) == ("on", "q4_0")  # the cache type left out
+    monkeypatch.delenv(attention.FLASH_ENV)
+    monkeypatch.delenv(attention.CACHE_ENV)
+    with Engine(smollm2_path, n_ctx=256, gate="never", flash_attn="off", type_kv="f16", threads=2) as eng:
+        assert eng.ctx.config.type_kv == "f16" and eng.attention.source == "requested"  # type_kv: still accepted
+    with pytest.raises(ValueError, match="not both"):
+        Engine(smollm2_path, attention_settings=settings, cache_type="f16")
 
 
 def _turn(eng, text: str, max_tokens: int):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from dataclasses import fields
 
@@ -47,6 +48,70 @@ def test_run_status_line_on_a_fake_engine(monkeypatch):
     assert res.stdout == " Paris, France\n" and eng.closed
     assert res.stderr == ("[verify refused: full cache of 1897 kept (1 changed top token > 0 over 3 tokens); "
                           "3 tokens at 50.0 tok/s; finish: length; layers and KV cache on CPU]\n")
+
+
+def test_flags_reach_the_engine_as_values_never_through_the_environment(monkeypatch):
+    """--flash-attn, --cache-type and --rpc are resolved once, at the CLI's edge (the flag, else its
+    variable, else the default), and handed to the Engine as values; the environment is not written, not
+    even while the command runs."""
+    from page_local.defaults import CACHE_ENV, FLASH_ENV
+    from page_local.engine.attention import AttentionSettings
+    from page_local.native.rpc import RPC_ENV
+
+    got = []
+
+    def engine(*args, **kwargs):
+        got.append((kwargs, dict(os.environ)))
+        eng = FakeEngine("fake.gguf")
+        eng.enqueue([" Paris"])
+        return eng
+
+    monkeypatch.setattr("page_local.engine.engine.Engine", engine)
+    for var in (FLASH_ENV, CACHE_ENV, RPC_ENV):
+        monkeypatch.delenv(var, raising=False)
+    args = ["run", "--model", "fake.gguf", "--prompt", PROMPT, "--max-tokens", "1"]
+
+    def run(*extra):
+        before = dict(os.environ)
+        res = CliRunner().invoke(main, args + list(extra))
+        assert res.exit_code == 0, res.output
+        kwargs, during = got[-1]
+        assert during == before == dict(os.environ)
+        return kwargs["attention_settings"], kwargs["rpc"]
+
+    assert run() == (AttentionSettings("auto", "f16"), ())
+    assert run("--flash-attn", "off", "--cache-type", "q8_0", "--rpc", "127.0.0.1:50052") == \
+        (AttentionSettings("off", "q8_0"), ("127.0.0.1:50052",))
+    monkeypatch.setenv(FLASH_ENV, "on")
+    monkeypatch.setenv(CACHE_ENV, "q4_0")
+    monkeypatch.setenv(RPC_ENV, "10.0.0.2:50052,10.0.0.3:50052")
+    assert run() == (AttentionSettings("on", "q4_0"), ("10.0.0.2:50052", "10.0.0.3:50052"))  # no flag: the variables
+    assert run("--flash-attn", "auto", "--rpc", "127.0.0.1:50052") == \
+        (AttentionSettings("auto", "q4_0"), ("127.0.0.1:50052",))  # a flag wins, "auto" included
+    monkeypatch.setenv(CACHE_ENV, "q5_1")
+    one_line_error(CliRunner().invoke(main, args), 2, "$PAGE_LOCAL_CACHE_TYPE", "'q5_1'")
+    monkeypatch.setenv(RPC_ENV, "nowhere")
+    one_line_error(CliRunner().invoke(main, args + ["--cache-type", "f16"]), 2, "$PAGE_LOCAL_RPC", "'nowhere'")
+
+
+def test_serve_hands_the_flags_to_its_backend_as_values(smollm2_path, monkeypatch):
+    pytest.importorskip("uvicorn", reason="the optional [serve] extra: pip install 'page-local[serve]'")
+    from page_local.engine.attention import AttentionSettings
+
+    class Loaded(Exception):
+        pass
+
+    def backend(settings):
+        raise Loaded(settings, dict(os.environ))
+
+    monkeypatch.setattr("page_local.serve.backend.Backend", backend)
+    before = dict(os.environ)
+    res = CliRunner().invoke(main, ["serve", "--model", str(smollm2_path), "--flash-attn", "off", "--cache-type",
+                                    "f16", "--rpc", "127.0.0.1:50052"])
+    assert isinstance(res.exception, Loaded), res.output
+    settings, during = res.exception.args
+    assert settings.attention_settings == AttentionSettings("off", "f16") and settings.rpc == ("127.0.0.1:50052",)
+    assert during == before == dict(os.environ)
 
 
 def test_run_json(cli, tmp_path):
@@ -221,6 +286,62 @@ def test_bench_json_at_a_tiny_size(cli, name, monkeypatch, tmp_path):
     assert r["bench"] == name and r["threads"] == 1
     assert documented <= set(r), sorted(documented - set(r))
     assert check(r), r
+
+
+BENCH_FUNCTIONS = {"probe": "speed.probe_overhead", "decode": "speed.decode_speedup", "verify": "speed.verify_cost",
+                   "forced": "speed.forced_cost", "lorekv": "speed.lorekv_overhead", "memory": "speed.peak_memory",
+                   "peer": "peer.peer_benchmark", "chat": "chat.chat_speed"}
+
+
+@pytest.mark.parametrize("name", list(BENCH_FUNCTIONS), ids=list(BENCH_FUNCTIONS))
+def test_bench_passes_its_load_options_down_as_values(name, monkeypatch):
+    """Every benchmark gets --n-gpu-layers, --rpc, --flash-attn and --cache-type as arguments, the
+    environment untouched."""
+    from page_local.engine.attention import AttentionSettings
+
+    assert set(BENCH_FUNCTIONS) == set(BENCHES)
+    module, function = BENCH_FUNCTIONS[name].split(".")
+    got = {}
+
+    def bench(path, **kwargs):
+        got.update(kwargs, environ=dict(os.environ))
+        return {}
+
+    monkeypatch.setattr(f"page_local.bench.{module}.{function}", bench)
+    before = dict(os.environ)
+    res = CliRunner().invoke(main, ["bench", name, "--model", "fake.gguf", "--json", "--n-gpu-layers", "2",
+                                    "--rpc", "127.0.0.1:50052", "--flash-attn", "on", "--cache-type", "q8_0"])
+    assert res.exit_code == 0, res.output
+    assert got["attention_settings"] == AttentionSettings("on", "q8_0") and got["rpc"] == ("127.0.0.1:50052",)
+    assert got["n_gpu_layers"] == 2 and got["environ"] == before == dict(os.environ)
+
+
+def test_bench_memory_gives_its_child_processes_the_settings_as_arguments(monkeypatch):
+    import subprocess
+
+    from page_local.bench.speed import peak_memory
+    from page_local.defaults import CACHE_ENV, FLASH_ENV
+    from page_local.engine.attention import AttentionSettings
+    from page_local.native.rpc import RPC_ENV
+
+    calls = []
+
+    def child(argv, **kwargs):
+        calls.append((argv, kwargs))
+        out = {"peak_rss_mb": 100.0, "n_ctx": 320, "T": 256, "kept": 64, "device": {"layers": "CPU"}}
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(out) + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", child)
+    peak_memory("m.gguf", tokens=256, attention_settings=AttentionSettings("off", "f16"),
+                rpc=["127.0.0.1:50052", "127.0.0.1:50053"])
+    assert [argv[-3:] for argv, _ in calls] == [["off", "f16", "127.0.0.1:50052,127.0.0.1:50053"]] * 2
+    assert all("env" not in kwargs for _, kwargs in calls)
+    calls.clear()
+    monkeypatch.setenv(FLASH_ENV, "on")  # a library caller's defaults: the environment, read here, once
+    monkeypatch.setenv(CACHE_ENV, "q8_0")
+    monkeypatch.delenv(RPC_ENV, raising=False)
+    peak_memory("m.gguf", tokens=256)
+    assert [argv[-3:] for argv, _ in calls] == [["on", "q8_0", ""]] * 2
 
 
 @pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / "build-peer" / "bin" / "llama-server").is_file(),

@@ -341,7 +341,7 @@ def test_cli_run_with_rpc_answers_as_locally(cli, endpoints, monkeypatch):
     assert loc.exit_code == 0 and rem.exit_code == 0, rem.output
     a, b = json.loads(loc.stdout), json.loads(rem.stdout)
     assert b["text"] == a["text"] and b["device"]["rpc"] == endpoints
-    assert rpc.RPC_ENV not in os.environ  # --rpc holds for the command only
+    assert rpc.RPC_ENV not in os.environ  # --rpc is passed down as a value, never written to the environment
 
 
 def test_cli_chat_with_rpc_answers_as_locally(smollm2_path, endpoints, tmp_path, monkeypatch):

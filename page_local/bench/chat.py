@@ -87,9 +87,10 @@ def _stock_chat(bin_dir, model_path, messages: list[str], n_ctx: int, gen: int, 
 
 def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 3.0, gen: int = 32,
                repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
-               budget: float | int = defaults.CHAT_BUDGET, peer_bin=None) -> dict:
+               budget: float | int = defaults.CHAT_BUDGET, peer_bin=None, rpc=None, attention_settings=None) -> dict:
     """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache, and
-    stock llama-server when built (peer_bin, else bench/stock.find_bin's default)."""
+    stock llama-server when built (peer_bin, else bench/stock.find_bin's default). n_gpu_layers, rpc,
+    attention_settings: as Engine's, for both engines."""
     from page_local.bench import stock
 
     for name, v, low in (("turns", turns, 2), ("n_ctx", n_ctx, 128), ("gen", gen, 1), ("repeats", repeats, 1),
@@ -101,13 +102,13 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
     bin_dir = stock.find_bin(peer_bin)
     runs: dict[str, list[list[dict]]] = {"page_local": [[] for _ in range(turns)], "full": [[] for _ in range(turns)]}
     refusals = 0
-    with Engine(model_path, n_ctx=n_ctx, budget=budget, threads=threads, n_gpu_layers=n_gpu_layers) as pl:
+    load = dict(n_gpu_layers=n_gpu_layers, rpc=rpc, attention_settings=attention_settings)
+    with Engine(model_path, n_ctx=n_ctx, budget=budget, threads=threads, **load) as pl:
         n_train = pl.model.n_ctx_train
         need = int(outgrow * n_ctx) + turns * (2 * gen + 32) + 256
         full_ctx = min(need, n_train) if n_train > 0 else need
         messages = _messages(pl.model, turns, n_ctx, outgrow, gen, seed)
-        with Engine(model_path, n_ctx=full_ctx, gate="never", on_full="refuse", threads=threads,
-                    n_gpu_layers=n_gpu_layers) as full:
+        with Engine(model_path, n_ctx=full_ctx, gate="never", on_full="refuse", threads=threads, **load) as full:
             device = pl.placement
             for r in range(repeats):
                 chats = {"page_local": ChatSession(pl), "full": ChatSession(full)}

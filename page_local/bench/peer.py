@@ -78,11 +78,12 @@ class _PageLocal:
     """page-local's Engine; gen tokens are always generated (greedy decoding continues past the end
     of the answer, as the kvpress side does), so that both time the same number of decode steps."""
 
-    def __init__(self, model_path, budget, n_ctx: int, threads: int, n_gpu_layers: int | str | None = None):
+    def __init__(self, model_path, budget, n_ctx: int, threads: int, n_gpu_layers: int | str | None = None,
+                 rpc=None, attention_settings=None):
         from page_local.engine.engine import Engine
 
         self.eng = Engine(model_path, n_ctx=n_ctx, budget=budget, evictor="snapkv", gate="always",
-                          threads=threads, n_gpu_layers=n_gpu_layers)
+                          threads=threads, n_gpu_layers=n_gpu_layers, rpc=rpc, attention_settings=attention_settings)
 
     def run(self, tokens: list[int], gen: int, evict: bool) -> Run:
         eng = self.eng
@@ -216,9 +217,10 @@ def _median(xs) -> float:
 def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int = 20, gen: int = 32,
                    threads: int = 2, seed: int = 42, kvpress_window: int | None = None,
                    kvpress_kernel: int | None = None, progress: Progress | None = None,
-                   n_gpu_layers: int | str | None = None) -> dict:
+                   n_gpu_layers: int | str | None = None, rpc=None, attention_settings=None) -> dict:
     """Time (prefill + compression + gen greedy tokens) and needle accuracy of page-local and kvpress,
-    SnapKV at the same budget, on n niah_single_1 prompts of about `tokens` tokens."""
+    SnapKV at the same budget, on n niah_single_1 prompts of about `tokens` tokens. n_gpu_layers, rpc,
+    attention_settings: page-local's, as Engine's."""
     from page_local.tasks import scoring
     from page_local.tasks.scoring import normalize_prediction
     from page_local.native.runtime import Model
@@ -235,7 +237,7 @@ def peer_benchmark(model_path, tokens: int = 2048, budget: float = 0.25, n: int 
     with Model(model_path, n_gpu_layers=0) as model:  # the tokenizer only
         prompts = _prompts(model, tokens, n, seed)
     pl = _PageLocal(model_path, budget, n_ctx=max(p.n for p in prompts) + gen + 64, threads=threads,
-                    n_gpu_layers=n_gpu_layers)
+                    n_gpu_layers=n_gpu_layers, rpc=rpc, attention_settings=attention_settings)
     device = pl.eng.placement
     try:
         say(f"{len(prompts)} {TASK} prompts of {min(p.n for p in prompts)}-{max(p.n for p in prompts)} tokens; "

@@ -12,22 +12,32 @@ from pathlib import Path
 
 import numpy as np
 
+from page_local.engine.attention import AttentionSettings
 from page_local.engine.turn import N_SINK, TOP_K, W, armed_tail
 from page_local.errors import BenchError
 from page_local.native.runtime import Context, ContextConfig, Model
 from page_local.verify import VERIFY_CAP
 
 
-def _attention(model_path, model, threads: int, n_ctx: int) -> dict:
-    """ContextConfig's flash_attn and type_kv as an Engine would choose them (engine/attention.py)."""
+# Every benchmark takes n_gpu_layers, rpc and attention_settings as an Engine does (None: the environment's,
+# read once, where the benchmark starts: _chosen, or the Engine it makes), and passes them down as values.
+
+def _chosen(model_path, model, threads: int, n_ctx: int, attention_settings: AttentionSettings | None):
+    """The Attention an Engine would choose for a context on `model` (engine/attention.py)."""
     from page_local.engine import attention
 
-    a, _ = attention.choose(model_path, model, threads, n_ctx)
+    return attention.choose(model_path, model, threads, n_ctx, attention_settings or attention.from_environment())[0]
+
+
+def _attention(model_path, model, threads: int, n_ctx: int, attention_settings: AttentionSettings | None) -> dict:
+    """ContextConfig's flash_attn and type_kv (native's name of the cache type) as an Engine would choose them."""
+    a = _chosen(model_path, model, threads, n_ctx, attention_settings)
     return {"flash_attn": a.flash_attn, "type_kv": a.cache_type}
 
 
 def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: int = 2, seed: int = 0,
-                   n_gpu_layers: int | str | None = None) -> dict:
+                   n_gpu_layers: int | str | None = None, rpc=None,
+                   attention_settings: AttentionSettings | None = None) -> dict:
     """Wall time of a `tokens`-token prefill with the probe armed as the engine arms it (on the last W queries
     of the prompt's last ubatch: turn.armed_tail) and without it (the prompt in one call, llama.cpp's split)."""
     if tokens <= W:
@@ -37,9 +47,10 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
     prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens).tolist()
     times: dict[bool, list[float]] = {False: [], True: []}
     # random tokens, timed: positions past the trained context cost the same, so the length is not refused
-    with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
+    with Model(model_path, n_gpu_layers=n_gpu_layers, rpc=rpc) as model, \
             Context(model, ContextConfig(n_ctx=tokens + 64, threads=threads, allow_long_context=True,
-                                         **_attention(model_path, model, threads, tokens + 64))) as ctx:
+                                         **_attention(model_path, model, threads, tokens + 64,
+                                                      attention_settings))) as ctx:
         device = ctx.placement()
         ctx.decode(prompt[:64], 0, logits="none")  # warm-up: first graph build and allocation
         for i in range(2 * repeats):
@@ -73,7 +84,7 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
 
 def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, new_tokens: int = 64,
                    repeats: int = 3, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
-                   peer_bin=None) -> dict:
+                   peer_bin=None, rpc=None, attention_settings: AttentionSettings | None = None) -> dict:
     """Time to first token and greedy decode tok/s for one `tokens`-token prompt (a needle text), side by
     side in one run: page-local's own choice of path (engine/attention.py) with the full cache and after the
     engine's eviction (gate forced open, SnapKV) to `budget`; and stock llama.cpp on both flash-attention
@@ -94,7 +105,6 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
     import os
 
     from page_local.bench import stock
-    from page_local.engine import attention
     from page_local.evictors.base import resolve_budget
 
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= W:
@@ -104,13 +114,13 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
     bin_dir = stock.find_bin(peer_bin)
     n_ctx = tokens + new_tokens + 64
-    with Model(model_path, n_gpu_layers=n_gpu_layers) as model:
+    with Model(model_path, n_gpu_layers=n_gpu_layers, rpc=rpc) as model:
         prompt = model.tokenize(_needle_prompt(model, tokens))
         T = len(prompt)
         B = resolve_budget(budget, T, W, N_SINK)
         if B >= T:
             raise ValueError(f"budget {budget!r} keeps all {T} tokens: nothing to evict")
-        chosen, _ = attention.choose(model_path, model, threads, n_ctx)
+        chosen = _chosen(model_path, model, threads, n_ctx, attention_settings)
         mine = _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, chosen.flash_attn,
                             chosen.cache_type, evict=True)
         # greedy tokens are compared up to the answer's end: past it page-local's runs decode on and stock's
@@ -308,7 +318,8 @@ def _task_prompts(model, tokens: int, per_task: int) -> list[list[int]]:
 
 def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP, repeats: int = 3,
                 threads: int = 2, prompt: str = "needle", n_gpu_layers: int | str | None = None,
-                ladder: tuple | None = None, evictor: str = "snapkv") -> dict:
+                ladder: tuple | None = None, evictor: str = "snapkv", rpc=None,
+                attention_settings: AttentionSettings | None = None) -> dict:
     """Cost of self-verified eviction (the engine's check, engine/turn.py check_ladder): the decode of the
     answer (up to its end or m tokens) over the evicted copies, as a fraction of the prefill, on prompts
     of about `tokens` tokens (median over the runs). ladder: gate "search" (the rungs smallest first)
@@ -329,7 +340,7 @@ def verify_cost(model_path, tokens: int = 2048, budget=0.5, m: int = VERIFY_CAP,
     with Engine(model_path, n_ctx=tokens + rungs * (m + 1) + 256, budget=budget,
                 gate="search" if ladder else "verify", ladder=ladder or (budget,), threads=threads, evictor=evictor,
                 verify_tokens=m, verify_threshold=None if prompt == "tasks" else 1e9, n_gpu_layers=n_gpu_layers,
-                allow_long_context=True) as eng:
+                rpc=rpc, attention_settings=attention_settings, allow_long_context=True) as eng:
         if prompt == "tasks":
             prompts = _task_prompts(eng.model, tokens, repeats)
         else:
@@ -366,7 +377,8 @@ FORCED_SIZES = (1, 4, 8, 16, 32, 64)
 
 
 def forced_cost(model_path, tokens: int = 2048, sizes=FORCED_SIZES, repeats: int = 3, threads: int = 2,
-                seed: int = 0, n_gpu_layers: int | str | None = None) -> dict:
+                seed: int = 0, n_gpu_layers: int | str | None = None, rpc=None,
+                attention_settings: AttentionSettings | None = None) -> dict:
     """What the check pays per forced token, beside what the prefill pays per prompt token: decodes of n
     tokens with every token's logits (as check_ladder forces an answer on a candidate: a sequence that
     shares the prompt's cells) after a `tokens`-token prompt, for each chunk size n, against the prompt's
@@ -378,9 +390,10 @@ def forced_cost(model_path, tokens: int = 2048, sizes=FORCED_SIZES, repeats: int
     if not sizes or sizes[0] < 1:
         raise ValueError(f"chunk sizes must be positive, got {sizes}")
     prompt = np.random.default_rng(seed).integers(100, 4000, size=tokens + sizes[-1]).tolist()
-    with Model(model_path, n_gpu_layers=n_gpu_layers) as model, \
+    with Model(model_path, n_gpu_layers=n_gpu_layers, rpc=rpc) as model, \
             Context(model, ContextConfig(n_ctx=tokens + sizes[-1] + 64, threads=threads, n_seq_max=2,
-                                         **_attention(model_path, model, threads, tokens + sizes[-1] + 64),
+                                         **_attention(model_path, model, threads, tokens + sizes[-1] + 64,
+                                                      attention_settings),
                                          allow_long_context=True)) as ctx:
         if sizes[-1] > ctx.n_batch:
             raise ValueError(f"a chunk of {sizes[-1]} tokens exceeds the batch ({ctx.n_batch})")
@@ -411,7 +424,8 @@ def forced_cost(model_path, tokens: int = 2048, sizes=FORCED_SIZES, repeats: int
 
 
 def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 4, lookahead_tokens: int = 32,
-                    repeats: int = 3, threads: int = 2, n_gpu_layers: int | str | None = None) -> dict:
+                    repeats: int = 3, threads: int = 2, n_gpu_layers: int | str | None = None, rpc=None,
+                    attention_settings: AttentionSettings | None = None) -> dict:
     """LORE-KV's one-time cost beside SnapKV's: the time from the prompt to the eviction decision
     (prefill + probe + gate + scoring + eviction + re-decode of the last prompt token), alternated
     SnapKV / LORE-KV runs on the same needle prompt, gate forced open, medians."""
@@ -419,7 +433,8 @@ def lorekv_overhead(model_path, tokens: int = 2048, budget=0.25, futures: int = 
 
     runs: dict[str, list[dict]] = {"snapkv": [], "lorekv": []}
     with Engine(model_path, n_ctx=tokens + 64 + futures * lookahead_tokens, budget=budget, gate="always",
-                threads=threads, n_gpu_layers=n_gpu_layers, allow_long_context=True) as eng:
+                threads=threads, n_gpu_layers=n_gpu_layers, rpc=rpc, attention_settings=attention_settings,
+                allow_long_context=True) as eng:
         device = eng.placement
         prompt = _needle_prompt(eng.model, tokens)
         for i in range(2 * repeats):
@@ -452,13 +467,17 @@ import numpy as np
 kind, model_path, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 compact = sys.argv[5] == "1"
 n_gpu = sys.argv[6]  # "" = the default, else a count or "all"
+flash_attn, cache_type = sys.argv[7], sys.argv[8]  # resolved by the parent
+rpc = tuple(sys.argv[9].split(",")) if sys.argv[9] else ()  # HOST:PORT,... resolved by the parent; "": none
 prompt = np.random.default_rng(0).integers(100, 4000, size=tokens).tolist()
 n_ctx = tokens + 64
 out = {"kind": kind}
 if kind == "page-local":
     from page_local.engine import Engine
+    from page_local.engine.attention import AttentionSettings
     with Engine(model_path, n_ctx=n_ctx, budget=0.25, gate="always", threads=threads, compact=compact,
-                n_gpu_layers=n_gpu or None, allow_long_context=True) as eng:
+                n_gpu_layers=n_gpu or None, rpc=rpc, attention_settings=AttentionSettings(flash_attn, cache_type),
+                allow_long_context=True) as eng:
         r = eng.generate(prompt, max_tokens=8)
         out.update(T=r.decision.T, kept=r.decision.kept, n_ctx=eng.n_ctx, device=eng.placement)
 else:
@@ -477,17 +496,25 @@ print(json.dumps(out))
 
 
 def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool = True,
-                n_gpu_layers: int | str | None = None) -> dict:
+                n_gpu_layers: int | str | None = None, rpc=None,
+                attention_settings: AttentionSettings | None = None) -> dict:
     """Peak RSS of page-local (prefill + eviction to 25 % + 8 tokens) vs stock llama-cpp-python
-    (prefill + 8 tokens) on the same random-token prompt, each in a fresh process."""
+    (prefill + 8 tokens) on the same random-token prompt, each in a fresh process, which gets the settings
+    as arguments (resolved here)."""
     import json
     import subprocess
     import sys
 
+    from page_local.engine.attention import from_environment
+    from page_local.native.rpc import default_rpc, parse_rpc
+
+    settings = attention_settings or from_environment()
+    servers = default_rpc() if rpc is None else parse_rpc(rpc)
     res = {}
     for kind in ("llama-cpp-python", "page-local"):
         p = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, kind, str(model_path), str(tokens), str(threads),
-                            "1" if compact else "0", "" if n_gpu_layers is None else str(n_gpu_layers)],
+                            "1" if compact else "0", "" if n_gpu_layers is None else str(n_gpu_layers),
+                            settings.flash_attn, settings.cache_type, ",".join(servers)],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise BenchError(f"{kind} run failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")

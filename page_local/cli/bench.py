@@ -28,6 +28,10 @@ def bench_group():
     """Benchmarks (run them alone: they print ratios measured side by side)."""
 
 
+# Every benchmark takes --n-gpu-layers, --rpc, --flash-attn and --cache-type (n_gpu_layers_option,
+# attention_options): its command gets them as `load` (n_gpu_layers, rpc, attention_settings, resolved by the
+# options) and passes them on as they are.
+
 def _bench(as_json: bool, run, describe) -> None:
     """Run a benchmark: one JSON line with --json, else describe(result); one-line errors."""
     with one_line_errors():
@@ -46,14 +50,13 @@ def _bench(as_json: bool, run, describe) -> None:
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_probe(model, tokens, repeats, threads, n_gpu_layers, as_json):
+def bench_probe(model, tokens, repeats, threads, as_json, **load):
     """Prefill time with the probe armed on the last 32 positions vs unarmed (target ratio <= 1.05)."""
     from page_local.bench.speed import probe_overhead
     from page_local.native.runtime import describe_placement
 
     path = resolve_model(model)
-    _bench(as_json, lambda: probe_overhead(path, tokens=tokens, repeats=repeats, threads=threads,
-                                           n_gpu_layers=n_gpu_layers),
+    _bench(as_json, lambda: probe_overhead(path, tokens=tokens, repeats=repeats, threads=threads, **load),
            lambda r: f"{tokens}-token prefill: unarmed {r['unarmed_s']:.3f} s, armed {r['armed_s']:.3f} s "
                      f"(median of {repeats}), ratio {r['ratio']:.3f}; {describe_placement(r['device'])}")
 
@@ -71,7 +74,7 @@ def bench_probe(model, tokens, repeats, threads, n_gpu_layers, as_json):
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, n_gpu_layers, as_json):
+def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, as_json, **load):
     """TTFT and decode tok/s: page-local (full cache, evicted to the budget) beside stock llama.cpp's default
     and best configuration."""
     from page_local.bench.speed import decode_speedup
@@ -80,7 +83,7 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, 
     path = resolve_model(model)
     _bench(as_json, lambda: decode_speedup(path, tokens=tokens, budget=budget,
                                            new_tokens=new_tokens, repeats=repeats, threads=threads,
-                                           n_gpu_layers=n_gpu_layers, peer_bin=peer_bin),
+                                           peer_bin=peer_bin, **load),
            lambda r: f"{r['tokens']}-token prompt, {new_tokens} new tokens, medians of {repeats}; page-local: flash "
                      f"attention {r['attention']['flash_attn']} ({r['attention']['source']}), TTFT "
                      f"{r['ttft_s']:.2f} s, full cache {r['full_tok_s']:.1f} tok/s, evicted to {r['kept']} "
@@ -117,15 +120,14 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, 
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, budget, threads, n_gpu_layers, as_json):
+def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, budget, threads, as_json, **load):
     """Self-verification's extra decode as a fraction of the prefill (target <= 0.05); with --ladder, budget
     search's."""
     from page_local.bench.speed import verify_cost
 
     path = resolve_model(model)
     _bench(as_json, lambda: verify_cost(path, tokens=tokens, m=m, repeats=repeats, threads=threads,
-                                        prompt=prompt, n_gpu_layers=n_gpu_layers, ladder=ladder, evictor=evictor,
-                                        budget=budget),
+                                        prompt=prompt, ladder=ladder, evictor=evictor, budget=budget, **load),
            lambda r: f"{r['tokens']}-token prompt ({r['prompt']}): the check of {r['m_checked']} answer tokens on "
                      f"{r['candidates']} candidate(s) decoded {r['forced_mean']:.0f} tokens in {r['verify_ms']:.1f} ms, "
                      f"prefill {r['prefill_ms']:.0f} ms, ratio {r['ratio']:.4f} (median of {r['runs']} runs; "
@@ -140,14 +142,13 @@ def bench_verify(model, tokens, m, repeats, prompt, ladder, evictor, budget, thr
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_forced(model, tokens, repeats, threads, n_gpu_layers, as_json):
+def bench_forced(model, tokens, repeats, threads, as_json, **load):
     """What a token forced by the check costs, in chunks of 1-64, beside a prefill token (the check's floor)."""
     from page_local.bench.speed import forced_cost
     from page_local.native.runtime import describe_placement
 
     path = resolve_model(model)
-    _bench(as_json, lambda: forced_cost(path, tokens=tokens, repeats=repeats, threads=threads,
-                                        n_gpu_layers=n_gpu_layers),
+    _bench(as_json, lambda: forced_cost(path, tokens=tokens, repeats=repeats, threads=threads, **load),
            lambda r: f"after a {tokens}-token prompt (prefill {r['prefill_ms_per_token']:.2f} ms per token): a forced "
                      "token costs " + ", ".join(f"{r['ms_per_forced_token'][n]:.2f} ms ({r['ratio'][n]:.1f}x) in chunks "
                                                 f"of {n}" for n in r["ratio"])
@@ -165,14 +166,14 @@ def bench_forced(model, tokens, repeats, threads, n_gpu_layers, as_json):
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, threads, n_gpu_layers, as_json):
+def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, threads, as_json, **load):
     """LORE-KV's one-time cost (prompt to eviction) as a ratio to SnapKV's (paper: 1.46-2.77x)."""
     from page_local.bench.speed import lorekv_overhead
 
     path = resolve_model(model)
     _bench(as_json, lambda: lorekv_overhead(path, tokens=tokens, budget=budget, futures=futures,
                                             lookahead_tokens=lookahead_tokens, repeats=repeats, threads=threads,
-                                            n_gpu_layers=n_gpu_layers),
+                                            **load),
            lambda r: f"{r['tokens']}-token prompt to eviction: SnapKV {r['snapkv_ms']:.0f} ms, LORE-KV "
                      f"{r['lorekv_ms']:.0f} ms ({r['futures']} futures x {r['lookahead_tokens']} tokens: "
                      f"{r['lookahead_ms']:.0f} ms), ratio {r['ratio']:.2f} (median of {repeats})")
@@ -187,13 +188,12 @@ def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, thre
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_memory(model, tokens, compact, threads, n_gpu_layers, as_json):
+def bench_memory(model, tokens, compact, threads, as_json, **load):
     """Peak RSS of page-local vs stock llama-cpp-python on the same prompt (target ratio <= 1.05)."""
     from page_local.bench.speed import peak_memory
 
     path = resolve_model(model)
-    _bench(as_json, lambda: peak_memory(path, tokens=tokens, threads=threads, compact=compact,
-                                        n_gpu_layers=n_gpu_layers),
+    _bench(as_json, lambda: peak_memory(path, tokens=tokens, threads=threads, compact=compact, **load),
            lambda r: f"peak RSS: page-local {r['page_local_peak_rss_mb']:.0f} MB, llama-cpp-python "
                      f"{r['stock_peak_rss_mb']:.0f} MB, ratio {r['ratio']:.3f}; free cells in n_ctx {r['n_ctx']}: "
                      f"{r['free_cells_full_cache']} full, {r['free_cells_after_eviction']} after eviction")
@@ -217,7 +217,7 @@ def bench_memory(model, tokens, compact, threads, n_gpu_layers, as_json):
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kernel, threads, n_gpu_layers, as_json):
+def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kernel, threads, as_json, **load):
     """page-local vs NVIDIA kvpress (SnapKVPress, PyTorch) on the same GGUF, budget and needle prompts:
     time per prompt and accuracy. Needs the optional extra: pip install 'page-local[peer]'."""
     from page_local.bench.peer import describe, peer_benchmark
@@ -225,7 +225,7 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
     path = resolve_model(model)
     _bench(as_json, lambda: peer_benchmark(path, tokens=tokens, budget=budget, n=n, gen=gen, threads=threads,
                                            seed=seed, kvpress_window=kvpress_window, kvpress_kernel=kvpress_kernel,
-                                           progress=lambda m: click.echo(m, err=True), n_gpu_layers=n_gpu_layers),
+                                           progress=lambda m: click.echo(m, err=True), **load),
            describe)
 
 
@@ -247,7 +247,7 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, peer_bin, threads, n_gpu_layers, as_json):
+def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, peer_bin, threads, as_json, **load):
     """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache, and
     vs stock llama-server (default and best flash-attention path) when it is built."""
     from page_local.bench.chat import chat_speed
@@ -283,5 +283,4 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, peer_bin, thr
 
     path = resolve_model(model)
     _bench(as_json, lambda: chat_speed(path, turns=turns, n_ctx=n_ctx, outgrow=outgrow, gen=gen, repeats=repeats,
-                                       threads=threads, n_gpu_layers=n_gpu_layers, budget=budget,
-                                       peer_bin=peer_bin), describe)
+                                       threads=threads, budget=budget, peer_bin=peer_bin, **load), describe)

@@ -52,8 +52,8 @@ def _parse_lengths(ctx, param, value):
               help='print one JSON object {"model", "model_id", "profile", "n", "mu", "sigma", "z_threshold", '
                    '"raw_threshold", "open", "open_raw", "prompts", "skipped_too_long", "skipped_empty", '
                    '"chat_template", "pilot_tokens", "drops", "device"}')
-def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, n_gpu_layers, allow_long_context,
-                  as_json):
+def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, n_gpu_layers, rpc, attention_settings,
+                  allow_long_context, as_json):
     """Calibrate the PAGE gate for a model on an unlabeled pilot and store its profile.
 
     The gate then opens iff z = (D - mu)/sigma >= -0.6934, with mu and sigma the mean and standard
@@ -83,8 +83,8 @@ def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, n_gpu
 
     console = common.console(stderr=True)
     with common.one_line_errors():
-        with Engine(path, n_ctx=n_ctx, threads=threads, gate="page", n_gpu_layers=n_gpu_layers,
-                    allow_long_context=allow_long_context) as eng:
+        with Engine(path, n_ctx=n_ctx, threads=threads, gate="page", n_gpu_layers=n_gpu_layers, rpc=rpc,
+                    attention_settings=attention_settings, allow_long_context=allow_long_context) as eng:
             device = eng.placement
             render = chat_renderer(eng.model) if chat_template else None
             if prompts is None:

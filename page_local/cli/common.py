@@ -5,8 +5,8 @@ one-line errors (exit codes: 0 ok, 2 usage, 1 runtime error)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import os
 import re
 import sys
 from contextlib import contextmanager
@@ -169,70 +169,56 @@ class GpuLayersType(click.ParamType):
             self.fail(f"{value!r} is neither a number of layers (0 or more) nor 'all'", param, ctx)
 
 
-def _set_rpc(ctx: click.Context, param, value):
-    """--rpc becomes $PAGE_LOCAL_RPC for this command (every Model it loads, a benchmark's subprocesses
-    too), and the variable is put back when the command ends."""
-    if value is None:
-        return None
-    from page_local.native.rpc import RPC_ENV, parse_rpc
+def _rpc(ctx: click.Context, param, value) -> tuple[str, ...]:
+    """--rpc resolved here, at the edge: the flag, else $PAGE_LOCAL_RPC, else () (local only); the command
+    gets the servers as its `rpc` value and passes it down (the environment is not written)."""
+    from page_local.native.rpc import default_rpc, parse_rpc
 
     try:
-        servers = parse_rpc(value, "--rpc")
+        return parse_rpc(value, "--rpc") if value is not None else default_rpc()
     except ValueError as e:
         raise click.BadParameter(str(e).removeprefix("--rpc: "), ctx=ctx, param=param) from None
-    if not servers:
-        raise click.BadParameter("give at least one HOST:PORT", ctx=ctx, param=param)
-    _set_env_for_command(ctx, RPC_ENV, ",".join(servers))
-    return None
-
-
-def _set_env_for_command(ctx: click.Context, var: str, value: str) -> None:
-    """$var = value for this command; the variable is put back when the command ends."""
-    before = os.environ.get(var)
-    os.environ[var] = value
-    ctx.call_on_close(lambda: os.environ.pop(var, None) if before is None else os.environ.update({var: before}))
 
 
 def rpc_option(f):
     return click.option(
-        "--rpc", metavar="HOST:PORT[,...]", default=None, expose_value=False, callback=_set_rpc,
+        "--rpc", "rpc", metavar="HOST:PORT[,...]", default=None, callback=_rpc,
         help="Put layers and their KV cache on ggml-rpc-server processes as well (docs/rpc.md); default: "
              "$PAGE_LOCAL_RPC. RPC is unauthenticated and unencrypted: loopback or a trusted LAN only.")(f)
 
 
-def _env_option(var: str):
-    """A callback that makes an option's value $var for this command (every Engine it makes, a benchmark's
-    subprocesses too), putting the variable back when the command ends; None leaves it alone."""
-
-    def callback(ctx: click.Context, param, value):
-        if value is not None:
-            _set_env_for_command(ctx, var, value)
-        return None
-
-    return callback
-
-
 def attention_options(f):
-    """--flash-attn and --cache-type (engine/attention.py): $PAGE_LOCAL_FLASH_ATTN / $PAGE_LOCAL_CACHE_TYPE
-    for the command."""
-    from page_local.defaults import CACHE_ENV, CACHE_TYPES, FLASH_ATTN, FLASH_ENV
+    """--flash-attn and --cache-type (engine/attention.py), resolved here, at the edge, into one value: the
+    command gets `attention_settings` (an AttentionSettings: each flag, else $PAGE_LOCAL_FLASH_ATTN /
+    $PAGE_LOCAL_CACHE_TYPE, else auto / f16) in their place, and passes it down (the environment is not
+    written)."""
+    from page_local.defaults import CACHE_TYPES, FLASH_ATTN
 
-    f = click.option(
-        "--cache-type", "cache_type", type=click.Choice(CACHE_TYPES), default=None, expose_value=False,
-        callback=_env_option(CACHE_ENV),
+    @functools.wraps(f)
+    def command(*args, flash_attn: str | None, cache_type: str | None, **kwargs):
+        from page_local.engine.attention import from_environment
+
+        try:
+            settings = from_environment(flash_attn, cache_type)
+        except ValueError as e:  # a bad $PAGE_LOCAL_FLASH_ATTN / $PAGE_LOCAL_CACHE_TYPE: the message names it
+            raise click.UsageError(str(e)) from None
+        return f(*args, attention_settings=settings, **kwargs)
+
+    command = click.option(
+        "--cache-type", "cache_type", type=click.Choice(CACHE_TYPES), default=None,
         help="The KV cache's type (K and V). q8_0 / q4_0 hold 1.9x / 3.6x the cells of f16 in the same memory "
              "and need flash attention (llama.cpp quantizes V only on that path). Default: $PAGE_LOCAL_CACHE_TYPE, "
-             "else f16.")(f)
+             "else f16.")(command)
     return click.option(
-        "--flash-attn", "flash_attn", type=click.Choice(FLASH_ATTN), default=None, expose_value=False,
-        callback=_env_option(FLASH_ENV),
+        "--flash-attn", "flash_attn", type=click.Choice(FLASH_ATTN), default=None,
         help="The attention path. auto: what `page-local tune` measured on this machine, else on (on the CPU "
              "with page-local's decode kernel, faster than the plain path where measured). Default: "
-             "$PAGE_LOCAL_FLASH_ATTN, else auto.")(f)
+             "$PAGE_LOCAL_FLASH_ATTN, else auto.")(command)
 
 
 def n_gpu_layers_option(f):
-    """--n-gpu-layers, and --rpc (remote devices are offload targets as GPUs are)."""
+    """--n-gpu-layers, and --rpc (remote devices are offload targets as GPUs are): the command gets
+    `n_gpu_layers` and `rpc` (rpc_option)."""
     f = rpc_option(f)
     return click.option(
         "--n-gpu-layers", "n_gpu_layers", type=GpuLayersType(), default=None, metavar="N|all",
@@ -243,7 +229,7 @@ def n_gpu_layers_option(f):
 
 def load_options(f):
     """--n-gpu-layers, --rpc, --flash-attn, --cache-type and --allow-long-context, for commands that load a
-    model into an Engine."""
+    model into an Engine: the command gets n_gpu_layers, rpc, attention_settings and allow_long_context."""
     f = attention_options(f)
     f = click.option(
         "--allow-long-context", "allow_long_context", is_flag=True,

@@ -78,7 +78,7 @@ def eval_group():
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @load_options
 def eval_run(model, tasks, n, length, budgets, evictors, gates, out, input_path, threads, n_ctx, seed, verify_m,
-             query_agnostic, system, plain, quiet, n_gpu_layers, allow_long_context):
+             query_agnostic, system, plain, quiet, n_gpu_layers, rpc, attention_settings, allow_long_context):
     """Run every sample under the full cache and every evictor x budget x gate, from one prefill each."""
     from page_local.eval.runner import EVAL_GATES, run_eval
     from page_local.evictors import EVICTORS
@@ -118,8 +118,8 @@ def eval_run(model, tasks, n, length, budgets, evictors, gates, out, input_path,
             res = run_eval(path, tasks=task_list or None, n=n, length=length, budgets=budget_list,
                            evictors=ev_list, gates=gate_list, out=out, seed=seed, threads=threads, n_ctx=n_ctx,
                            query_agnostic=query_agnostic, verify_m=verify_m, progress=bar, input=input_path,
-                           system=system, plain=plain, n_gpu_layers=n_gpu_layers,
-                           allow_long_context=allow_long_context)
+                           system=system, plain=plain, n_gpu_layers=n_gpu_layers, rpc=rpc,
+                           attention_settings=attention_settings, allow_long_context=allow_long_context)
     except KeyboardInterrupt:
         fail(f"interrupted; finished samples are in {out} (run the same command again to resume)", 1)
     if res.get("profile_warning"):
@@ -219,7 +219,7 @@ def eval_report(results, out_dir, profile, as_json):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @load_options
 def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, max_tokens, seed, out, report_dir,
-                       threads, quiet, n_gpu_layers, allow_long_context):
+                       threads, quiet, n_gpu_layers, rpc, attention_settings, allow_long_context):
     """Multi-turn chats over long documents at 1x, 2x and 4x n_ctx: the full cache, page-local, llama.cpp's
     context shift and Ollama's truncation on the same conversations; then the report (run it again to resume)."""
     from page_local.eval.conversations import ALL_POLICIES, run_conversations
@@ -246,7 +246,8 @@ def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, max_to
         with one_line_errors(), _Bar(quiet) as bar:
             res = run_conversations(path, n=n, turns=turns, lengths=length_list, n_ctx=n_ctx, policies=policy_list,
                                     budget=budget, max_tokens=max_tokens, seed=seed, threads=threads, out=out,
-                                    progress=bar, n_gpu_layers=n_gpu_layers, allow_long_context=allow_long_context)
+                                    progress=bar, n_gpu_layers=n_gpu_layers, rpc=rpc,
+                                    attention_settings=attention_settings, allow_long_context=allow_long_context)
     except KeyboardInterrupt:
         fail(f"interrupted; finished conversations are in {out} (run the same command again to resume)", 1)
     with one_line_errors():

@@ -92,7 +92,8 @@ def _plot(out: Path, agreement: list[float], D: float, title: str, rule: str, so
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"model", "model_id", "n_layer", "decision", "threshold_D", '
                    '"early_mean", "late_mean", "profile", "plot", "device"}')
-def inspect_cmd(model, prompt, prompt_file, plot, n_ctx, threads, n_gpu_layers, allow_long_context, as_json):
+def inspect_cmd(model, prompt, prompt_file, plot, n_ctx, threads, n_gpu_layers, rpc, attention_settings,
+                allow_long_context, as_json):
     """Show what the PAGE gate sees on one prompt: head agreement per layer, D, z and the decision.
 
     Prefills the prompt and probes it; nothing is evicted or generated."""
@@ -103,8 +104,8 @@ def inspect_cmd(model, prompt, prompt_file, plot, n_ctx, threads, n_gpu_layers, 
     from page_local.store.profiles import profile_path
 
     with common.one_line_errors():
-        with Engine(path, n_ctx=n_ctx, threads=threads, gate="page", n_gpu_layers=n_gpu_layers,
-                    allow_long_context=allow_long_context) as eng:
+        with Engine(path, n_ctx=n_ctx, threads=threads, gate="page", n_gpu_layers=n_gpu_layers, rpc=rpc,
+                    attention_settings=attention_settings, allow_long_context=allow_long_context) as eng:
             device = eng.placement
             if eng.profile_warning:
                 click.echo(f"warning: {eng.profile_warning}", err=True)

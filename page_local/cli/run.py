@@ -33,7 +33,7 @@ from page_local.cli.common import (
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"text", "finish_reason", "decision", "tokens_per_s", "device", "attention"}')
 def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers,
-            allow_long_context, ladder, max_tokens, temperature, seed, as_json):
+            rpc, attention_settings, allow_long_context, ladder, max_tokens, temperature, seed, as_json):
     """Answer one prompt; with --json, also what the gate and the evictor did."""
     prompt = read_prompt(prompt, prompt_file)
     path = resolve_model(model)
@@ -44,7 +44,8 @@ def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on
     with one_line_errors():
         with tuning_progress(console(stderr=True)) as tune_progress:
             eng = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads, seed=seed,
-                         verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, on_full=on_full, ladder=ladder,
+                         verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, rpc=rpc,
+                         attention_settings=attention_settings, on_full=on_full, ladder=ladder,
                          allow_long_context=allow_long_context, tune_progress=tune_progress)
         with eng:
             device = eng.placement

@@ -33,7 +33,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 @click.option("--forget", is_flag=True, help="Remove the stored tuning (auto falls back to the backend's default).")
 @n_gpu_layers_option
 @json_option()
-def tune_cmd(model, threads, lengths, n_ctx, show, forget, n_gpu_layers, as_json):
+def tune_cmd(model, threads, lengths, n_ctx, show, forget, n_gpu_layers, rpc, as_json):
     """Time flash attention on and off (prefill and one-token decode at a few cache sizes) for this model,
     machine, device and thread count, and store the result: later runs with --flash-attn auto use it.
     Takes about a minute for the embedded model on a 2-core CPU; run it alone."""
@@ -45,7 +45,7 @@ def tune_cmd(model, threads, lengths, n_ctx, show, forget, n_gpu_layers, as_json
     path = resolve_model(model)
     out = console(stderr=True)
     with one_line_errors():
-        with Model(path, n_gpu_layers=n_gpu_layers) as m:
+        with Model(path, n_gpu_layers=n_gpu_layers, rpc=rpc) as m:
             key = attention.tuning_key(path, m, threads)
             ctx_len = n_ctx or min(m.n_ctx_train or 8192, 8192)
             if forget:

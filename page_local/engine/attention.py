@@ -7,7 +7,8 @@ faster. page-local's patch (csrc/upstream.patch) replaces that decode kernel for
 vectorised one (docs/design.md section 6.1): on AMD EPYC Zen 1 it decodes 1.04x (2K cells) to 1.19x (4K)
 faster than the plain path, and prefill stays 1.3x faster than the plain path. So "auto" here means:
 
-  1. an explicit "on"/"off" (the argument, or $PAGE_LOCAL_FLASH_ATTN that --flash-attn sets) is used;
+  1. an explicit "on"/"off" (AttentionSettings: --flash-attn, Engine(flash_attn=), else $PAGE_LOCAL_FLASH_ATTN)
+     is used;
   2. a quantized V cache (q8_0, q4_0) needs flash attention in llama.cpp: on;
   3. a tuning measured by `page-local tune` for this model, machine, device, thread count and library
      (store/tuning.py) picks the path with the lower cost over the context (see `cost`);
@@ -49,6 +50,21 @@ def check_cache_type(value: str, what: str = "cache type") -> str:
     if value not in CACHE_TYPES:
         raise ValueError(f"{what} must be one of {', '.join(CACHE_TYPES)}; got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """What was asked for a context's attention, before page-local's choice (`choose`): flash_attn auto | on |
+    off and cache_type f16 | q8_0 | q4_0 (K and V). Resolved once at an edge (the CLI's --flash-attn and
+    --cache-type, an Engine's arguments: from_environment) and passed down as this value; each field is
+    checked here, the pair by `resolve`."""
+
+    flash_attn: str = "auto"
+    cache_type: str = "f16"
+
+    def __post_init__(self):
+        check_flash_attn(self.flash_attn)
+        check_cache_type(self.cache_type)
 
 
 @dataclass(frozen=True)
@@ -144,14 +160,33 @@ def resolve(flash_attn: str, cache_type: str, device: str, n_ctx: int, tuned: di
     return Attention(pick, cache_type, "default", why)
 
 
-def from_environment(flash_attn: str, cache_type: str | None) -> tuple[str, str]:
-    """An Engine's "auto" / None take $PAGE_LOCAL_FLASH_ATTN / $PAGE_LOCAL_CACHE_TYPE (what --flash-attn and
-    --cache-type set for a command) when set; explicit values win."""
-    if flash_attn == "auto" and os.environ.get(FLASH_ENV):
-        flash_attn = check_flash_attn(os.environ[FLASH_ENV].strip().lower(), f"${FLASH_ENV}")
+def from_environment(flash_attn: str | None = None, cache_type: str | None = None) -> AttentionSettings:
+    """The one read of $PAGE_LOCAL_FLASH_ATTN and $PAGE_LOCAL_CACHE_TYPE: each value not given (None) is its
+    variable when set, else auto / f16; given values win. ValueError names the variable of a bad value."""
+    if flash_attn is None:
+        flash_attn = check_flash_attn(os.environ.get(FLASH_ENV, "").strip().lower() or "auto", f"${FLASH_ENV}")
     if cache_type is None:
         cache_type = check_cache_type(os.environ.get(CACHE_ENV, "").strip().lower() or "f16", f"${CACHE_ENV}")
-    return check_flash_attn(flash_attn), check_cache_type(cache_type)
+    return AttentionSettings(flash_attn, cache_type)
+
+
+def engine_settings(settings: AttentionSettings | None, flash_attn: str | None, cache_type: str | None,
+                    type_kv: str | None = None) -> AttentionSettings:
+    """An Engine's attention arguments as one AttentionSettings: `settings` as given (a caller that resolved
+    it at its own edge, as the CLI does), else flash_attn and cache_type (type_kv: cache_type's older name)
+    with the environment for what is None. ValueError when both forms, or both names, are given."""
+    if type_kv is not None:
+        if cache_type is not None and cache_type != type_kv:
+            raise ValueError(f"type_kv is the older name of cache_type: give one, not both (got cache_type="
+                             f"{cache_type!r}, type_kv={type_kv!r})")
+        cache_type = type_kv
+    if settings is None:
+        return from_environment(flash_attn, cache_type)
+    if flash_attn is not None or cache_type is not None:
+        raise ValueError("give attention_settings, or flash_attn / cache_type, not both")
+    if not isinstance(settings, AttentionSettings):
+        raise ValueError(f"attention_settings must be an AttentionSettings, got {settings!r}")
+    return settings
 
 
 # --- measuring (drives a context: the engine layer) -------------------------------------------
@@ -250,16 +285,16 @@ def tuning_key(model_path, model, threads: int):
                      library_signature(library_dir()))
 
 
-def choose(model_path, model, threads: int, n_ctx: int, flash_attn: str = "auto",
-           cache_type: str | None = None, autotune: bool = True,
+def choose(model_path, model, threads: int, n_ctx: int, settings: AttentionSettings, autotune: bool = True,
            progress: Callable[[str, float], None] | None = None) -> tuple[Attention, str | None]:
-    """(Attention, warning or None) for a context on `model`: the environment, then the rule of `resolve`
-    with the stored tuning (an unusable tuning file is ignored, and the warning says so); with none stored
-    and autotune (and $PAGE_LOCAL_AUTOTUNE not off), the first-use tuning is measured now (progress(text,
-    fraction) while it runs). A first-use tuning that fails leaves the backend's default, with a warning."""
+    """(Attention, warning or None) for a context on `model` asked for with `settings` (resolved by the
+    caller: the environment is not read here): the rule of `resolve` with the stored tuning (an unusable
+    tuning file is ignored, and the warning says so); with none stored and autotune (and $PAGE_LOCAL_AUTOTUNE
+    not off), the first-use tuning is measured now (progress(text, fraction) while it runs). A first-use
+    tuning that fails leaves the backend's default, with a warning."""
     from page_local.store.tuning import read_tuning
 
-    fa, ct = from_environment(flash_attn, cache_type)
+    fa, ct = settings.flash_attn, settings.cache_type
     box = autotune_budget() if autotune else None
     tuned, warning, first = None, None, False
     if fa == "auto" and ct == "f16":

@@ -128,19 +128,25 @@ class Engine:
 
     def __init__(self, model: str | os.PathLike | Model | None = None, n_ctx: int = defaults.N_CTX,
                  budget: float | int = defaults.BUDGET, evictor: str = defaults.EVICTOR, gate: str = defaults.GATE,
-                 threads: int = defaults.THREADS, flash_attn: str = "auto",
-                 type_kv: str | None = None, seed: int = 0, evictor_options: dict | None = None,
+                 threads: int = defaults.THREADS, flash_attn: str | None = None,
+                 cache_type: str | None = None, seed: int = 0, evictor_options: dict | None = None,
                  verify_tokens: int = VERIFY_CAP, verify_threshold: float | None = None,
                  verify_rule: str = VERIFY_RULE, compact: bool = True,
                  n_gpu_layers: int | str | None = None, allow_long_context: bool = False,
                  on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
-                 tune_progress=None, n_batch: int = 512):
+                 tune_progress=None, n_batch: int = 512,
+                 attention_settings: attention.AttentionSettings | None = None, type_kv: str | None = None):
         """model: a GGUF path, None for the embedded default, or a loaded native Model that several engines
         share (a server's slots: one copy of the weights). A shared Model is borrowed: close() leaves it to
         its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own.
         n_batch: the most prompt tokens decoded at once (llama.cpp's -b; a prefill's progress is reported and can be
         stopped between batches), at least 64 (the probe's window rides on one batch); the physical batch is
-        min(n_batch, 512)."""
+        min(n_batch, 512).
+        flash_attn: auto (page-local's choice: engine/attention.py) | on | off; cache_type: f16 | q8_0 | q4_0
+        (type_kv: its older name, still accepted); each None = $PAGE_LOCAL_FLASH_ATTN / $PAGE_LOCAL_CACHE_TYPE,
+        else auto / f16. Or attention_settings: both as one attention.AttentionSettings, already resolved (the
+        CLI's); the environment is then not read. rpc: HOST:PORT of ggml-rpc-servers whose devices take
+        offloaded layers (None = $PAGE_LOCAL_RPC, () = none)."""
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < MIN_BATCH:
             raise ValueError(f"n_batch must be an int of at least {MIN_BATCH}, got {n_batch!r}")
         shared = model if isinstance(model, Model) else None
@@ -162,18 +168,18 @@ class Engine:
         self.seed = seed
         self._lock = threading.Lock()
         self._active: Stream | None = None  # the stream holding the lock, if one is suspended mid-answer
-        # rpc: HOST:PORT of ggml-rpc-servers whose devices take offloaded layers (None = $PAGE_LOCAL_RPC)
-        # flash_attn: auto (page-local's choice: engine/attention.py) | on | off; type_kv: f16 | q8_0 | q4_0
-        # (None: $PAGE_LOCAL_CACHE_TYPE, else f16). Both are checked before the model is loaded.
-        attention.resolve(*attention.from_environment(flash_attn, type_kv), "CPU", n_ctx, None)
+        # the attention arguments as one value, the environment read once for what was not given; the pair is
+        # checked before the model is loaded
+        asked = attention.engine_settings(attention_settings, flash_attn, cache_type, type_kv)
+        attention.resolve(asked.flash_attn, asked.cache_type, "CPU", n_ctx, None)
         # autotune: with no tuning stored for flash_attn auto, measure one now, once (attention.first_use; at most
         # $PAGE_LOCAL_AUTOTUNE seconds, default 30; off skips it); tune_progress(text, fraction) while it runs
         attention.autotune_budget()
         self._owns_model = shared is None
         self.model = shared if shared is not None else Model(path, n_gpu_layers=n_gpu_layers, rpc=rpc)
         try:
-            self.attention, self.attention_warning = attention.choose(path, self.model, threads, n_ctx, flash_attn,
-                                                                      type_kv, autotune, tune_progress)
+            self.attention, self.attention_warning = attention.choose(path, self.model, threads, n_ctx, asked,
+                                                                      autotune, tune_progress)
             self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, n_batch=n_batch,
                                                          n_ubatch=min(n_batch, ContextConfig.n_ubatch),
                                                          flash_attn=self.attention.flash_attn,

@@ -378,10 +378,11 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
                       n_ctx: int = 1024, policies: Sequence[str] = DEFAULT_POLICIES, budget: float | int = 0.25,
                       max_tokens: int = 32, seed: int = 42, threads: int = 2, out: str | os.PathLike | None = None,
                       progress: Callable[[int, int], None] | None = None, n_gpu_layers=None,
-                      allow_long_context: bool = False) -> dict:
+                      allow_long_context: bool = False, rpc=None, attention_settings=None) -> dict:
     """Every conversation at every length under every policy, side by side (one conversation's
     policies run one after the other); rows appended to `out`, a re-run resumes. The full cache's
-    context holds the longest conversation: max(lengths) x n_ctx and the answers."""
+    context holds the longest conversation: max(lengths) x n_ctx and the answers. n_gpu_layers, rpc,
+    attention_settings, allow_long_context: as Engine's."""
     from page_local.store.gguf import gguf_metadata, model_identity
 
     bad = [p for p in policies if p not in ALL_POLICIES]
@@ -414,7 +415,8 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
                 kind = "full" if policy == "full" else "small"
                 if kind not in engines:
                     engines[kind] = Engine(model_path, n_ctx=full_ctx if kind == "full" else n_ctx, budget=budget,
-                                           threads=threads, n_gpu_layers=n_gpu_layers,
+                                           threads=threads, n_gpu_layers=n_gpu_layers, rpc=rpc,
+                                           attention_settings=attention_settings,
                                            allow_long_context=allow_long_context)
                 eng = set_policy(engines[kind], policy)
                 sizer = Sizer(eng.model)

@@ -441,7 +441,8 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
              seed: int = 42, threads: int = 2, n_ctx: int | None = None, query_agnostic: bool = False,
              verify_m: int = VERIFY_CAP, progress: Progress | None = None, input: str | os.PathLike | None = None,
              system: str | None = None, limit_s: float | None = None, plain: bool = False,
-             n_gpu_layers: int | str | None = None, allow_long_context: bool = False) -> dict:
+             n_gpu_layers: int | str | None = None, allow_long_context: bool = False, rpc=None,
+             attention_settings=None) -> dict:
     """Evaluate every (sample, configuration); rows are appended to `out` (JSONL), resuming.
 
     model: a registered name (smollm2, qwen2.5-coder, gemma3-270m), a GGUF path, or None (default).
@@ -450,7 +451,8 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     ladder); the full cache is always evaluated.
     progress(done, total) counts rows (already present ones included; first call before any work).
     limit_s: stop after the sample during which this many seconds passed (the run stays resumable).
-    n_gpu_layers, allow_long_context: as Engine's (allow_long_context also lifts the trained-context check).
+    n_gpu_layers, rpc, attention_settings, allow_long_context: as Engine's (allow_long_context also lifts the
+    trained-context check).
     Returns {"out", "rows_written", "rows_present", "samples", "samples_run", "wall_s", "per_sample_s"}.
     """
     from page_local import gate as gate_mod
@@ -543,7 +545,8 @@ def run_eval(model=None, tasks: Sequence[str] | None = None, n: int | None = 10,
     t_start = time.perf_counter()
     # a computed n_ctx may pass the trained context by its margin only: positions stay <= need (checked above)
     with Engine(path, n_ctx=n_ctx, budget=0.5, evictor="snapkv", gate="never", threads=threads, seed=seed,
-                n_gpu_layers=n_gpu_layers, allow_long_context=allow_long_context or auto_ctx) as eng:
+                n_gpu_layers=n_gpu_layers, rpc=rpc, attention_settings=attention_settings,
+                allow_long_context=allow_long_context or auto_ctx) as eng:
         result["profile"] = None if page_gate.profile is None else dict(
             mu=page_gate.profile.mu, sigma=page_gate.profile.sigma, n_pilot=page_gate.profile.n_pilot)
         result["profile_warning"] = page_gate.warning
