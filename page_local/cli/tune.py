@@ -84,9 +84,10 @@ def tune_cmd(model, threads, lengths, n_ctx, show, forget, n_gpu_layers, rpc, as
         return
     click.echo(f"{key.machine}; {key.device}; {key.threads} threads"
                + (f"; measured in {tuning.seconds:.0f} s" if not show else f"; measured {tuning.created}"))
-    click.echo(f"{'cells':>6} {'prefill ms/tok on/off':>22} {'decode ms on/off':>18}")
-    for (t, p_on, d_on), (_, p_off, d_off) in zip(tuning.points["on"], tuning.points["off"]):
-        click.echo(f"{t:>6} {p_on:>10.2f} / {p_off:<9.2f} {d_on:>8.1f} / {d_off:<8.1f}")
+    click.echo(f"{'cells':>6} {'prefill ms/tok on/off':>22} {'decode ms on/off (spread)':>27}")
+    for on, off in zip(tuning.points["on"], tuning.points["off"]):
+        spread = f" ({on[3]:.1f} / {off[3]:.1f})" if len(on) > 3 and len(off) > 3 else ""
+        click.echo(f"{on[0]:>6} {on[1]:>10.2f} / {off[1]:<9.2f} {on[2]:>8.1f} / {off[2]:<8.1f}{spread}")
     for b in result["bands"]:
         click.echo(f"  {b['from']:>5}-{b['to']:<5} cells: flash attention {b['flash_attn']} "
                    f"({b['on_ms']:.1f} on, {b['off_ms']:.1f} off: ms per token read and written)")

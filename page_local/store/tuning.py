@@ -81,10 +81,11 @@ class TuningKey:
 @dataclass(frozen=True)
 class Tuning:
     """Measured timings of one key: per setting ("on"/"off"), points (T, prefill ms per token of the chunk
-    that ended at T, median decode ms of one token at T cells), T ascending."""
+    that ended at T, median decode ms of one token at T cells, the interquartile range of those decode steps),
+    T ascending. A tuning stored before the spread was measured has points of three fields."""
 
     key: TuningKey
-    points: dict  # {"on": [(T, prefill_ms_per_token, decode_ms), ...], "off": [...]}
+    points: dict  # {"on": [(T, prefill_ms_per_token, decode_ms[, decode_spread_ms]), ...], "off": [...]}
     created: str
     seconds: float  # how long the measurement took
 
@@ -98,7 +99,8 @@ def save_tuning(tuning: Tuning) -> Path:
     path = tuning_path(tuning.key)
     data = {"format": TUNING_FORMAT, "version": TUNING_VERSION, "key": tuning.key.to_dict(),
             "created": tuning.created, "seconds": round(float(tuning.seconds), 2),
-            "points": {s: [[int(t), float(p), float(d)] for t, p, d in tuning.points[s]] for s in SETTINGS}}
+            "points": {s: [[int(row[0])] + [float(v) for v in row[1:]] for row in tuning.points[s]]
+                       for s in SETTINGS}}
     with atomic_write(path) as f:
         json.dump(data, f, indent=1)
         f.write("\n")
@@ -114,7 +116,7 @@ def _real(v) -> bool:
 
 
 def parse_points(raw) -> dict:
-    """Validate {"on": [[T, p, d], ...], "off": [...]}: ValueError says what is wrong."""
+    """Validate {"on": [[T, p, d(, spread)], ...], "off": [...]}: ValueError says what is wrong."""
     if not isinstance(raw, dict) or set(raw) != set(SETTINGS):
         raise ValueError("'points' must have exactly the settings 'on' and 'off'")
     out = {}
@@ -124,11 +126,12 @@ def parse_points(raw) -> dict:
             raise ValueError(f"'points.{s}' must be a non-empty list")
         pts = []
         for row in rows:
-            if (not isinstance(row, (list, tuple)) or len(row) != 3 or not all(_real(v) for v in row)
-                    or row[0] < 1 or row[1] <= 0 or row[2] <= 0):
-                raise ValueError(f"'points.{s}' rows must be [T >= 1, prefill ms > 0, decode ms > 0], got {row!r}")
-            pts.append((int(row[0]), float(row[1]), float(row[2])))
-        if [t for t, _, _ in pts] != sorted({t for t, _, _ in pts}):
+            if (not isinstance(row, (list, tuple)) or len(row) not in (3, 4) or not all(_real(v) for v in row)
+                    or row[0] < 1 or row[1] <= 0 or row[2] <= 0 or (len(row) == 4 and row[3] < 0)):
+                raise ValueError(f"'points.{s}' rows must be [T >= 1, prefill ms > 0, decode ms > 0, and optionally "
+                                 f"decode spread ms >= 0], got {row!r}")
+            pts.append((int(row[0]),) + tuple(float(v) for v in row[1:]))
+        if [p[0] for p in pts] != sorted({p[0] for p in pts}):
             raise ValueError(f"'points.{s}' must be in ascending T without repeats")
         out[s] = pts
     return out
