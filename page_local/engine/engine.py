@@ -27,7 +27,6 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -37,8 +36,9 @@ from page_local import defaults
 from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
-from page_local.engine.room import ANSWER_ROOM, RoomMaker, RoomRules, check_on_full
+from page_local.engine.room import ANSWER_ROOM, RoomMaker, check_on_full
 from page_local.engine.selfcheck import AfterAnswer, SelfCheck
+from page_local.engine.settings import SettingError, TurnSettings
 from page_local.engine.transcript import Transcript
 from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, Pipeline, supported
 from page_local.errors import ContextFull, EngineBusy, StateFileError
@@ -53,7 +53,7 @@ from page_local.store.persist import Snapshot
 from page_local.store.gguf import model_identity
 from page_local.verify import VERIFY_CAP, VERIFY_RULE, check_rule
 
-__all__ = ["Decision", "Engine", "Result", "Sampling", "Stream"]
+__all__ = ["Decision", "Engine", "Result", "Sampling", "SettingError", "Stream", "TurnSettings"]
 
 
 class Stream:
@@ -85,42 +85,6 @@ class Stream:
 
 
 MIN_BATCH = 64  # Engine(n_batch=...): room for the probe's window (turn.W tokens) in one batch
-
-
-class SettingError(ValueError):
-    """A turn setting refused by the engine's own rule; .field names it (gate, evictor, budget, ...)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-@dataclass(frozen=True)
-class TurnSettings:
-    """What one turn runs with, resolved once before it starts and passed down as a value: the engine's own
-    settings (Engine.turn_settings()), or those with a request's overrides. Nothing of the engine is changed
-    to run a turn with other settings."""
-    gate_mode: str
-    gate: Gate
-    evictor: object  # an evictor instance (evictors/)
-    budget: float | int
-    ladder: tuple
-    verify_tokens: int
-    verify_rule: str
-    verify_threshold: float
-    on_full: str
-    n_keep: int
-    compact: bool
-    seed: int
-
-    @property
-    def verifies(self) -> bool:
-        return self.gate_mode in VERIFY_MODES
-
-    @property
-    def room_rules(self) -> RoomRules:
-        return RoomRules(on_full=self.on_full, n_keep=self.n_keep, compact=self.compact, seed=self.seed,
-                         evictor=self.evictor)
 
 
 class Engine:
