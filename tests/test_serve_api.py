@@ -228,6 +228,10 @@ REFUSED = [
     ("chat", {"n": 2}, "n"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "chunk_size": 4}}, "stream_options.chunk_size"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"},
+              "tool_choice": "required"}, "response_format"),
     ("chat", {"grammar": "root ::= foo"}, "grammar"),
     ("chat", {"json_schema": {"$ref": "#/nowhere"}}, "json_schema"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -292,6 +296,90 @@ def test_a_message_is_text_even_when_it_spells_a_control_token(http):
     assert count(injected, True) < count(injected, False)  # the vocabulary would read them as control tokens
     grown = prompt_tokens(injected) - prompt_tokens(plain)
     assert grown == count(injected, False) - count(plain, False)
+
+
+def test_responses_api_stateless(client, http):
+    r = client.responses.create(model="smollm2", input="What is the capital of France? Answer briefly.",
+                                instructions="You are brief.", max_output_tokens=8, temperature=0)
+    assert r.object == "response" and r.status in ("completed", "incomplete") and r.output_text
+    assert r.usage.output_tokens <= 8 and r.output[0].type == "message"
+    with client.responses.stream(model="smollm2", input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "Say hi."}]}], max_output_tokens=4, temperature=0) as st:
+        events = list(st)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response  # response.incomplete: the answer ran into max_output_tokens
+    assert events[0].type == "response.created" and events[-1].type == f"response.{final.status}"
+    assert "".join(deltas) == final.output_text and final.output_text
+    for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"), ({"truncation": "auto"},
+                                                                                         "truncation"),
+                         ({"max_output_tokens": 10**6}, "max_output_tokens"), ({"mystery": 1}, "mystery")):
+        r = http.post("/v1/responses", json={"input": "Hi", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_props(http):
+    p = http.get("/props").json()
+    assert p["total_slots"] == 1 and p["default_generation_settings"]["n_ctx"] == N_CTX
+    assert p["chat_template"].startswith("{%") and p["chat_template_caps"]["supports_tools"] is False
+    assert p["model_path"].endswith(".gguf") and p["eos_token"]
+
+
+def test_a_big_tokenize_does_not_stall_the_server(server, http):
+    """/tokenize of a ~1.9 MB body (a second or more of tokenizing) runs off the event loop: /health keeps
+    answering while it runs."""
+    import threading
+    import time
+
+    content = "The harbour town has three bridges and a lighthouse. " * 36000
+    done, answered = [], []
+
+    def big():
+        t0 = time.monotonic()
+        r = http.post("/tokenize", json={"content": content})
+        done.append((t0, time.monotonic(), r.status_code, len(r.json()["tokens"])))
+
+    t = threading.Thread(target=big)
+    t.start()
+    with httpx.Client(base_url=server, timeout=60) as h:
+        while t.is_alive():
+            h.get("/health")
+            answered.append(time.monotonic())
+            time.sleep(0.01)
+    t.join()
+    t0, t1, status, n = done[0]
+    assert status == 200 and n > 300_000
+    during = [a for a in answered if t0 <= a <= t1]
+    gaps = [b - a for a, b in zip([t0] + during, during + [t1])]
+    assert max(gaps) < 0.5 * (t1 - t0), (max(gaps), t1 - t0)  # on the loop, one gap was the whole tokenizing
+
+
+def test_an_embedding_whose_client_left_is_not_computed(server, http):
+    """Embeddings run one at a time on a thread of their own; a request waiting its turn whose client
+    leaves is dropped there, so the next one does not wait for it."""
+    import threading
+    import time
+
+    many = {"input": [f"Box {i} holds {i % 7 + 2} red apples and green pears. " * 8 for i in range(32)]}
+    first = threading.Thread(target=lambda: http.post("/v1/embeddings", json=many))
+    t0 = time.monotonic()
+    first.start()
+    time.sleep(0.2)
+    with pytest.raises(httpx.TimeoutException):  # waits behind the first, then gives up
+        httpx.post(server + "/v1/embeddings", json=many, timeout=0.5, headers={"Authorization": f"Bearer {KEY}"})
+    first.join()
+    alone = time.monotonic() - t0
+    t1 = time.monotonic()
+    assert http.post("/v1/embeddings", json={"input": "one short input"}).status_code == 200
+    assert time.monotonic() - t1 < 0.5 * alone  # not behind the 32 inputs of a client that left
+
+
+def test_streams_send_no_keep_alive_pings():
+    from page_local.serve.http import NO_PING, sse_response
+
+    async def events():
+        yield "x"
+
+    assert sse_response(events()).ping_interval == NO_PING >= 3600  # not 0 (older sse-starlette: ping always)
 
 
 def test_user_and_metadata_are_accepted(http):

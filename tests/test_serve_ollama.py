@@ -130,6 +130,21 @@ def test_version_tags_show_ps(client, http):
     assert running[0].context_length == N_CTX and running[0].size > 0
 
 
+def test_embed(client, http):
+    """/api/embed through the client: one vector per input, the same as /v1/embeddings' (one model, mean
+    pooled); an input longer than an embedding reads is cut (Ollama's truncate, by default) or refused."""
+    import numpy as np
+
+    r = client.embed(model=MODEL, input=["The cat sat on the mat.", "Quantum chromodynamics of quarks."])
+    assert len(r.embeddings) == 2 and len(r.embeddings[0]) == 576 and r.prompt_eval_count > 0
+    same = http.post("/v1/embeddings", json={"input": "The cat sat on the mat."}).json()["data"][0]["embedding"]
+    assert np.allclose(r.embeddings[0], same, atol=1e-5)
+    long = "word " * 600
+    assert len(client.embed(model=MODEL, input=long).embeddings) == 1
+    r = http.post("/api/embed", json={"model": MODEL, "input": long, "truncate": False})
+    assert r.status_code == 400 and "input" in r.json()["error"]
+
+
 # --- 2. chat and generate --------------------------------------------------------------------------
 
 def test_chat_not_streamed_equals_the_openai_route(client, http):

@@ -214,6 +214,66 @@ def test_each_key_has_its_own_conversation_cache(server):
     assert slot_for[3]["history_tokens"] > 0 and slot_for[1]["history_tokens"] is None
 
 
+def test_a_keys_conversation_is_snapshotted_after_its_request_not_in_the_next_keys(server):
+    """With keys, a finished request's conversation goes to the cache at once, as its key's: another key's
+    request that takes the slot next does not snapshot it inside its own turn (its time to the first token
+    would grow with this key's conversation; docs/serve.md, "What a client can learn about another")."""
+    def stats(key: int) -> dict:
+        return httpx.get(server["base"] + "/v1/page_local/stats", headers=auth(key)).json()
+
+    before = stats(3)["cache"]["snapshots"]
+    chat(server, 3, [SYSTEM, {"role": "user", "content": PASSAGE + "How many bridges are there?"}])
+    for _ in range(500):  # the slot is busy until the snapshot is written
+        now = stats(3)
+        if not now["slots"][0]["busy"]:
+            break
+        threading.Event().wait(0.02)
+    assert now["cache"]["snapshots"] == before + 1
+    other = chat(server, 2, [{"role": "user", "content": "Say OK."}])  # takes the slot: nothing left to save
+    assert stats(2)["cache"]["snapshots"] >= before + 1 and other["page_local"]["cache"]["source"] in ("none",
+                                                                                                       "snapshot")
+
+
+def test_requests_reading_their_bodies_count_against_the_queue(server, http):
+    """--parallel 1 --queue 1, the slot busy: a request still sending its body holds the one place in line,
+    so the next request is refused at once (503), not let in to refuse the first later."""
+    first_chunk, release, sent, slow = threading.Event(), threading.Event(), threading.Event(), []
+
+    def long_stream():
+        with httpx.Client(base_url=server["base"], headers=auth(0), timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json={"prompt": "1, 2, 3, 4, 5,", "max_tokens": 400,
+                                                         "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            first_chunk.set()
+            release.wait(60)
+
+    def slow_body():  # its body in two parts, the second once the test has tried the next request
+        def parts():
+            yield b'{"messages": [{"role": "user", "content": "Say OK."}], '
+            sent.set()
+            release.wait(60)
+            yield b'"max_tokens": 2, "temperature": 0}'
+        slow.append(httpx.post(server["base"] + "/v1/chat/completions", headers=auth(0) |
+                               {"Content-Type": "application/json"}, content=parts(), timeout=60).status_code)
+
+    t1, t2 = threading.Thread(target=long_stream), threading.Thread(target=slow_body)
+    t1.start()
+    try:
+        assert first_chunk.wait(60)
+        t2.start()
+        assert sent.wait(60)
+        threading.Event().wait(0.2)  # the first part has reached the server
+        r = http.post("/v1/chat/completions", json=CHAT)
+    finally:
+        release.set()
+        t1.join()
+        t2.join()
+    refused(r, 503, "server_busy")
+    assert slow == [200]
+
+
 def test_a_wrong_key_is_401(server):
     r = httpx.get(server["base"] + "/v1/models", headers={"Authorization": "Bearer safety-key-6"})
     refused(r, 401, "invalid_api_key")
@@ -305,15 +365,18 @@ def test_a_request_that_fails_after_its_conversation_was_placed_leaves_nothing(s
     """A conversation refused for not fitting (on_full refuse) fails inside the engine's turn: the slot
     forgets what it held, so no later request reuses a half-prefilled prompt."""
     convo = [{"role": "user", "content": "Tell me a fact about owls."}]
-    chat(server, FAILED_KEY, convo)
-    long = convo + [{"role": "assistant", "content": "Owls can turn their heads far."},
-                    {"role": "user", "content": "word " * 600}]
+    first = chat(server, FAILED_KEY, convo)  # (with keys, snapshotted as it ends: Slot.park)
+    said = [{"role": "assistant", "content": "Owls can turn their heads far."}]
+    long = convo + said + [{"role": "user", "content": "word " * 600}]
     r = httpx.post(server["base"] + "/v1/chat/completions", headers=auth(FAILED_KEY), timeout=60,
                    json={"messages": long, "max_tokens": 2, "page_local": {"on_full": "refuse"}})
     refused(r, 400, "context_length_exceeded")
     slot = httpx.get(server["base"] + "/v1/page_local/stats", headers=auth(FAILED_KEY)).json()["slots"][0]
     assert slot["history_tokens"] == 0
-    assert cached(chat(server, FAILED_KEY, convo)) == 0
+    # what the failed request put in the cache is gone: a request sharing its prefix past the first
+    # conversation's prompt reuses no more than that prompt (from the first request's own snapshot)
+    assert cached(chat(server, FAILED_KEY, convo + said + [{"role": "user", "content": "Say OK."}])) \
+        <= first["usage"]["prompt_tokens"]
 
 
 # --- without a model ---------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Tool calling against a live `page-local serve` on Qwen2.5-Coder-0.5B-Instruct (its chat template has
 Hermes tool calls), through real clients: the `openai` SDK's tool loop (call -> run the function -> send
-the result -> final answer), streamed tool_calls deltas, a named tool_choice, and the `ollama` client
-with Python functions as tools. One server for the module, short answers.
+the result -> final answer), streamed tool_calls deltas, a named tool_choice, the `ollama` client with
+Python functions as tools, /v1/responses' function calls (streamed events too), and an agent from PyPI
+(smolagents' ToolCallingAgent). One server for the module, short answers.
 
 The final answer comes as a call of a `final_answer` tool (as smolagents' agents end a run): after a
 tool result, this 0.5B model at temperature 0 writes its earlier call again instead of text, whichever
@@ -91,9 +92,12 @@ def test_openai_sdk_tool_loop(client):
     pytest.fail(f"no final answer after three turns: {msgs}")
 
 
-def test_streamed_tool_calls(client):
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[ADD], tool_choice="required",
-                                            temperature=0, max_tokens=40, stream=True)
+def test_a_named_tool_streamed(client):
+    """tool_choice names a function: the answer is one call of it, with arguments in its schema, streamed
+    as one tool_calls delta once whole."""
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[ADD, FINAL], temperature=0,
+                                            max_tokens=40, stream=True, parallel_tool_calls=False,
+                                            tool_choice={"type": "function", "function": {"name": "add"}})
     calls, finish, content = {}, None, ""
     for chunk in stream:
         if not chunk.choices:
@@ -108,17 +112,6 @@ def test_streamed_tool_calls(client):
     assert finish == "tool_calls" and content == ""
     assert [c["name"] for c in calls.values()] == ["add"] and calls[0]["id"].startswith("call_")
     assert json.loads(calls[0]["arguments"]) == {"a": 1234, "b": 5678}
-
-
-def test_a_named_tool_choice_is_called_with_its_schema(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
-                                       tools=[ADD, FINAL], temperature=0, max_tokens=40,
-                                       tool_choice={"type": "function", "function": {"name": "add"}},
-                                       parallel_tool_calls=False)
-    calls = r.choices[0].message.tool_calls
-    assert len(calls) == 1 and calls[0].function.name == "add"
-    args = json.loads(calls[0].function.arguments)
-    assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
 
 
 def test_ollama_client_with_python_functions(server):
@@ -151,6 +144,44 @@ def test_ollama_client_with_python_functions(server):
             return
         msgs.append({"role": "tool", "tool_name": "add", "content": str(add(**call.function.arguments))})
     pytest.fail(f"no final answer after three turns: {msgs}")
+
+
+def test_responses_api_tool_loop_streamed(client):
+    """/v1/responses through the SDK, stateless: the conversation so far in `input` (an earlier answer's
+    function_call item and its function_call_output), the final call streamed as the API's events."""
+    flat = [{"type": "function", **t["function"]} for t in (ADD, FINAL)]
+    items = ASK + [{"type": "function_call", "call_id": "call_1", "name": "add",
+                    "arguments": json.dumps({"a": 1234, "b": 5678})},
+                   {"type": "function_call_output", "call_id": "call_1", "output": "6912"}]
+    with client.responses.stream(model=MODEL, input=items, tools=flat, max_output_tokens=40, temperature=0) as st:
+        kinds = [e.type for e in st]
+        final = st.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds
+    assert final.output[0].name == "final_answer" and "6912" in final.output[0].arguments
+
+
+def test_smolagents_tool_calling_agent(server):
+    """An agent from PyPI (smolagents' ToolCallingAgent, over its OpenAI client) runs add, then ends with its
+    own final_answer tool."""
+    smolagents = pytest.importorskip("smolagents", reason="the test extra (smolagents) is not installed")
+
+    @smolagents.tool
+    def add(a: int, b: int) -> int:
+        """Add two numbers and return the sum.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    model = smolagents.OpenAIServerModel(model_id=MODEL, api_base=server + "/v1", api_key="none", temperature=0,
+                                         max_tokens=40)
+    agent = smolagents.ToolCallingAgent(tools=[add], model=model, max_steps=3, verbosity_level=0)
+    assert str(agent.run(ASK[0]["content"])) == "6912"
+    calls = [c.name for step in agent.memory.steps for c in (getattr(step, "tool_calls", None) or [])]
+    assert calls == ["add", "final_answer"]
 
 
 def test_show_says_tools(server):

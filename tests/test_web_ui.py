@@ -125,6 +125,20 @@ def server(smollm2_path):
         stop_server(proc)
 
 
+def raw_get(base: str, path: str) -> tuple[int, bytes]:
+    """GET `path` exactly as written (no client normalises it): (status, body)."""
+    import socket
+
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while part := s.recv(65536):
+            data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
 def test_the_page_is_served_without_a_key_the_api_is_not(server):
     r = httpx.get(server + "/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -136,8 +150,9 @@ def test_the_page_is_served_without_a_key_the_api_is_not(server):
         assert r.status_code == 200 and r.headers["content-type"].startswith(kind), name
     cfg = httpx.get(server + "/ui/config.json").json()
     assert "verify" in cfg["gates"] and "snapkv" in cfg["evictors"] and cfg["on_full"] == ["evict", "refuse"]
-    r = httpx.get(server + "/ui/../backend.py")
-    assert r.status_code in (401, 404)  # no file outside the page's own
+    for path in ("/ui/../backend.py", "/ui/..%2fbackend.py", "/ui/%2e%2e%2fweb.py", "/ui/%2e%2e", "/ui/..%5cweb.py"):
+        status, body = raw_get(server, path)  # as sent: httpx would remove the ".." before sending
+        assert status in (401, 404) and b"import" not in body, path  # no file outside the page's own
     assert httpx.get(server + "/ui/nothing.js").status_code == 404
     assert httpx.get(server + "/v1/models").status_code == 401
     assert httpx.post(server + "/", json={}).status_code in (401, 405)  # only GET is open

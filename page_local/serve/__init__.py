@@ -7,7 +7,10 @@
     backend.py   loading, one request in a slot's thread, stats
     guards.py    ASGI middleware before any route: Host, Origin (CORS), API keys and namespaces, JSON only
     http.py      what the routes share: body limits, client-gone, collecting an answer, readiness
+    chat_template.py  the model's Jinja chat template with tools; a conversation tokenized with its text as text
+    tools.py     tool calling: tools and tool_choice validated, the call grammar, calls read back from the text
     openai.py    OpenAI's routes (models, chat and text completions, SSE)
+    responses.py OpenAI's Responses API, stateless (/v1/responses)
     ollama.py    Ollama's routes;  model_routes.py: embeddings, tokenize, detokenize
     app.py       the Starlette app assembled from the routes, the guards and the error handlers
     bench.py     `page-local bench serve`: the load test

@@ -2,11 +2,13 @@
 
     GET  /health                  200 {"status": "ok"} when ready, 503 while loading (no key needed)
     /v1/models, /v1/chat/completions, /v1/completions   OpenAI's routes (openai.py)
+    POST /v1/responses            OpenAI's Responses API, stateless (responses.py)
+    GET  /props                   llama-server's (model_routes.py)
     POST /v1/embeddings           the served model's mean-pooled hidden states (model_routes.py)
     POST /tokenize, /detokenize   llama-server's token routes (model_routes.py)
     GET  /v1/page_local/stats     slots, queue, conversation cache, counts, resident memory
     GET  /metrics                 Prometheus text (metrics.py)
-    /api/...                      Ollama's API (ollama.py): version, tags, show, ps, chat, generate
+    /api/...                      Ollama's API (ollama.py): version, tags, show, ps, chat, generate, embed
     GET  /  and  /ui/{file}       the web UI (web.py): a chat page that shows what the cache holds
 
 Before a route sees a request, guards.py checks its Host, its Origin (a web page's), its key and,
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
-from page_local.serve import model_routes, ollama, openai, web
+from page_local.serve import model_routes, ollama, openai, responses, web
 from page_local.serve.backend import Backend
 from page_local.serve.errors import ApiError
 from page_local.serve.guards import HostGuard, HostPolicy, JsonOnly, KeyGuard, OriginGuard, OriginPolicy
@@ -88,7 +90,8 @@ def create_app(backend: Backend):
 
     routes = [Route(f"{prefix}{path}", handler, methods=["GET"]) for prefix in ("", "/v1")
               for path, handler in (("/health", health), ("/page_local/stats", stats))]
-    routes += [Route("/metrics", metrics, methods=["GET"]), *openai.routes(backend), *ollama.routes(backend)]
+    routes += [Route("/metrics", metrics, methods=["GET"]), *openai.routes(backend), *ollama.routes(backend),
+               *responses.routes(backend)]
     routes += model_routes.routes(backend)  # /tokenize, /detokenize, /v1/embeddings
     routes += web.routes()
     hosts = HostPolicy(s.host, s.allow_hosts)

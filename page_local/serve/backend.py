@@ -23,7 +23,6 @@ from pathlib import Path
 
 from page_local import defaults
 from page_local.engine import narrate
-from page_local.engine.attention import AttentionSettings
 from page_local.errors import Cancelled, ContextFull, EngineBusy, PageLocalError, RemoteLost
 from page_local.serve.errors import ApiError, bad
 from page_local.serve.fields import check_with_model
@@ -52,7 +51,6 @@ class Settings:
     threads: int = defaults.THREADS
     n_gpu_layers: int | str | None = None
     rpc: tuple[str, ...] | None = None  # as Model's (None: $PAGE_LOCAL_RPC)
-    attention_settings: AttentionSettings | None = None  # as Engine's (None: the environment's)
     allow_long_context: bool = False
     parallel: int = 1
     queue: int = 16  # requests waiting for a slot before 503
@@ -137,7 +135,7 @@ class Backend:
                     return
                 extra = {} if s.verify_tokens is None else {"verify_tokens": s.verify_tokens}
                 eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
-                             threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
+                             threads=s.threads, on_full=s.on_full,
                              allow_long_context=s.allow_long_context, **extra)
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
@@ -391,6 +389,11 @@ class Backend:
                 log.exception("could not restore slot %d after a request", slot.index)
         if last is not None:  # after the bookkeeping: a client's next request finds the slot as it is
             emit(last)
+        if finished and len(self.settings.keys) > 1:  # keys: snapshot it now, outside anyone's turn
+            try:
+                slot.park()
+            except Exception:
+                log.exception("could not snapshot slot %d's conversation", slot.index)
 
     def embed_gate(self) -> asyncio.Lock:
         """The event loop's lock in front of embed_executor (made on the loop, on first use)."""

@@ -14,6 +14,19 @@ from page_local.serve.errors import ApiError
 from page_local.serve.guards import NO_KEY
 
 
+# SSE keep-alive pings: none (OpenAI's streams are data frames only). Said as an interval no stream lasts, not
+# as 0: sse-starlette releases before the fix of its issue #206 (2026) started their ping loop with 0 too and sent
+# pings without pause (some 30 000 a second), while pyproject allows any release from 2.1
+NO_PING = 24 * 3600
+
+
+def sse_response(events):
+    """An SSE response over an async generator of ServerSentEvent, without keep-alive pings."""
+    from sse_starlette.sse import EventSourceResponse
+
+    return EventSourceResponse(events, ping=NO_PING, sep="\n")
+
+
 class Gone(Exception):
     """The client disconnected while its request was waiting or running."""
 

@@ -3,6 +3,7 @@
     POST /tokenize        llama-server's: {"content", "add_special"?, "parse_special"?, "with_pieces"?} -> {"tokens"}
     POST /detokenize      llama-server's: {"tokens"} -> {"content"}
     POST /v1/embeddings   OpenAI's: {"input": a string, a list of them, token ids or lists of them} -> vectors
+    GET  /props           llama-server's: the defaults, the slots, the model's file, chat template and its caps
 
 An embedding is the served model's final hidden states, mean-pooled over the input's tokens and
 L2-normalised (native/embed.py), what llama-server returns for a generative model with mean pooling.
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import threading
 
 from page_local.serve.errors import ApiError, bad
-from page_local.serve.http import read_body, ready
+from page_local.serve.http import Gone, read_body, ready, unless_gone
 from page_local.serve.protocol import parse_json
 
 MAX_INPUTS = 256  # inputs per embeddings request (OpenAI allows 2048; each one is a decode here)
@@ -76,15 +79,80 @@ def embedding_inputs(body: dict, model) -> list[list[int]]:
     return out
 
 
+def _tokenize(model, body: dict) -> bytes:
+    """/tokenize's answer, as JSON bytes (built in a worker thread: a 2 MB body takes a second)."""
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise bad("content must be a string", "content",
+                  "missing_required_parameter" if content is None else "invalid_value")
+    add_special = _flag(body, "add_special", False)  # llama-server's defaults
+    parse_special = _flag(body, "parse_special", True)
+    with_pieces = _flag(body, "with_pieces", False)
+    toks = model.tokenize(content, add_special=add_special, parse_special=parse_special)
+    if not with_pieces:
+        return json.dumps({"tokens": toks}).encode()
+    pieces = []
+    for t in toks:  # llama-server: the piece as text when it is valid UTF-8, else its bytes
+        raw = model.token_to_piece(t, special=True)
+        try:
+            piece = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": t, "piece": piece})
+    return json.dumps({"tokens": pieces}, ensure_ascii=False).encode()
+
+
+def _detokenize(model, body: dict) -> bytes:
+    toks = body.get("tokens")
+    if toks is None:
+        raise bad("tokens is required: a list of token ids", "tokens", "missing_required_parameter")
+    raw = b"".join(model.token_to_piece(t, special=True) for t in _ids(toks, "tokens", model.n_vocab))
+    # special tokens as text, as llama-server
+    return json.dumps({"content": raw.decode("utf-8", "replace")}, ensure_ascii=False).encode()
+
+
+async def embed(request, backend, body: dict, truncate: bool = False) -> tuple[list, int] | None:
+    """The vectors of `body["input"]` (f32 (n_embd,) each) and their token count, or None when the client
+    left. Tokenizing and embedding run on the backend's own embedding thread (Backend.embed_executor), one
+    request at a time; a request waits for it on the event loop, where a client that leaves is noticed
+    (and one that leaves while its inputs are embedded stops them between inputs). truncate: an input
+    longer than an embedding reads is cut to its first tokens (Ollama's default), else a 400."""
+    loop = asyncio.get_running_loop()
+    gate = backend.embed_gate()
+    try:
+        await unless_gone(request, gate.acquire())
+    except Gone:
+        return None
+    cancel = threading.Event()
+    try:
+        def work():
+            inputs = embedding_inputs(body, backend.model)  # up to MAX_INPUTS tokenizations
+            limit = backend.embed_ctx
+            if truncate:
+                inputs = [toks[:limit] for toks in inputs]
+            for i, toks in enumerate(inputs):
+                if len(toks) > limit:
+                    raise bad(f"input{'' if len(inputs) == 1 else f'[{i}]'} is {len(toks)} tokens; an embedding "
+                              f"reads at most {limit} (one batch, as llama-server)", "input")
+            return backend.embed(inputs, cancel), sum(len(t) for t in inputs)
+
+        try:
+            return await unless_gone(request, loop.run_in_executor(backend.embed_executor, work))
+        except Gone:
+            cancel.set()
+            return None
+        except ValueError as e:
+            raise bad(str(e), "input") from None
+    finally:
+        gate.release()
+
+
 def routes(backend):
     """Starlette routes over `backend`."""
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     s = backend.settings
-
-    def model():
-        return backend.model
 
     async def read(request) -> dict:
         ready(backend)
@@ -93,36 +161,12 @@ def routes(backend):
     async def tokenize(request):
         body = await read(request)
         _known(body, TOKENIZE_FIELDS, "/tokenize")
-        content = body.get("content")
-        if not isinstance(content, str):
-            raise bad("content must be a string", "content",
-                      "missing_required_parameter" if content is None else "invalid_value")
-        add_special = _flag(body, "add_special", False)  # llama-server's defaults
-        parse_special = _flag(body, "parse_special", True)
-        with_pieces = _flag(body, "with_pieces", False)
-        m = model()
-        toks = m.tokenize(content, add_special=add_special, parse_special=parse_special)
-        if not with_pieces:
-            return JSONResponse({"tokens": toks})
-        pieces = []
-        for t in toks:  # llama-server: the piece as text when it is valid UTF-8, else its bytes
-            raw = m.token_to_piece(t, special=True)
-            try:
-                piece = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(raw)
-            pieces.append({"id": t, "piece": piece})
-        return JSONResponse({"tokens": pieces})
+        return Response(await asyncio.to_thread(_tokenize, backend.model, body), media_type="application/json")
 
     async def detokenize(request):
         body = await read(request)
         _known(body, ("tokens",), "/detokenize")
-        toks = body.get("tokens")
-        if toks is None:
-            raise bad("tokens is required: a list of token ids", "tokens", "missing_required_parameter")
-        m = model()
-        raw = b"".join(m.token_to_piece(t, special=True) for t in _ids(toks, "tokens", m.n_vocab))
-        return JSONResponse({"content": raw.decode("utf-8", "replace")})  # special tokens as text, as llama-server
+        return Response(await asyncio.to_thread(_detokenize, backend.model, body), media_type="application/json")
 
     async def embeddings(request):
         body = await read(request)
@@ -134,24 +178,38 @@ def routes(backend):
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise bad(f"encoding_format must be \"float\" or \"base64\", got {fmt!r}", "encoding_format")
-        inputs = await asyncio.to_thread(embedding_inputs, body, model())  # up to MAX_INPUTS tokenizations
-        limit = backend.embed_ctx
-        for i, toks in enumerate(inputs):
-            if len(toks) > limit:
-                raise bad(f"input{'' if len(inputs) == 1 else f'[{i}]'} is {len(toks)} tokens; an embedding reads at "
-                          f"most {limit} (one batch, as llama-server)", "input")
-        try:
-            vectors = await asyncio.to_thread(backend.embed, inputs)
-        except ValueError as e:
-            raise bad(str(e), "input") from None
+        done = await embed(request, backend, body)
+        if done is None:
+            return Response(status_code=499)
+        vectors, n = done
         data = []
         for i, v in enumerate(vectors):  # f32 (n_embd,)
             emb = base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if fmt == "base64" \
                 else [float(x) for x in v]
             data.append({"object": "embedding", "index": i, "embedding": emb})
-        n = sum(len(t) for t in inputs)
         return JSONResponse({"object": "list", "data": data, "model": s.served_name,
                              "usage": {"prompt_tokens": n, "total_tokens": n}})
 
+    async def props(request):
+        """llama-server's /props: the defaults a request gets, the slots, the model and its template."""
+        ready(backend)
+        m = backend.model
+        lm = m.llama_model
+        t = backend.tool_template
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": s.n_ctx, "model": s.served_name, "params": {
+                "n_predict": -1, "temperature": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0,
+                "penalty_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": -1,
+                "max_tokens_limit": backend.max_tokens_limit}},
+            "total_slots": s.parallel, "model_path": s.model_path.name, "model_alias": s.served_name,
+            "chat_template": t.source if t is not None else "",
+            "chat_template_caps": {"supports_tools": bool(t and t.tool_format),
+                                   "supports_tool_calls": bool(t and t.tool_format)},
+            "bos_token": lm.token_get_text(lm.token_bos()) if lm.token_bos() >= 0 else "",
+            "eos_token": lm.token_get_text(lm.token_eos()) if lm.token_eos() >= 0 else "",
+            "modalities": {"vision": False, "audio": False}, "is_sleeping": False,
+            "build_info": "page-local", "page_local": {"gate": s.gate, "budget": s.budget, "evictor": s.evictor}})
+
     return [Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
-            Route("/embeddings", embeddings, methods=["POST"]), Route("/v1/embeddings", embeddings, methods=["POST"])]
+            Route("/embeddings", embeddings, methods=["POST"]), Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/props", props, methods=["GET"])]

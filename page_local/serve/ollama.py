@@ -6,11 +6,13 @@
     GET  /api/ps          the model as loaded (it stays loaded while the server runs)
     POST /api/chat        chat; NDJSON stream unless "stream": false (Ollama's default is a stream)
     POST /api/generate    a prompt, rendered with the chat template (raw: as is); streamed the same way
+    POST /api/embed       {"model", "input": a string or a list of them, "truncate"} -> {"embeddings"}
 
 A chat or generate request is translated into the OpenAI request the /v1 routes take (protocol.parse_job
 validates it, so the rules live in one place) and runs on the same path: the guards (Host, Origin, keys,
 JSON), the queue, a slot, the conversation cache of its key. What page-local cannot honour is refused
-with a 400 that names the field; errors are Ollama's {"error": "..."}.
+with a 400 that names the field, as is any top-level field these routes do not read; errors are Ollama's
+{"error": "..."}. `tools` on /api/chat are OpenAI's tools (tools.py); the calls come back in Ollama's shape.
 
 Options. temperature, top_p, top_k, seed (-1: a fresh one), num_predict (-1 and -2: until the context is
 full), stop, and the sampling fields the OpenAI routes take (min_p, repeat_penalty, presence_penalty,
@@ -31,7 +33,7 @@ import math
 import time
 from datetime import datetime, timedelta, timezone
 
-from page_local.serve import protocol, tools
+from page_local.serve import model_routes, protocol, tools
 from page_local.serve.backend import Turn, rss_bytes
 from page_local.serve.errors import ApiError, bad
 from page_local.serve.http import Gone, collect, namespace, read_body, ready, unless_gone
@@ -120,6 +122,10 @@ FIELDS = {"chat": frozenset({"model", "messages", "tools", "format", "options", 
           "generate": frozenset({"model", "prompt", "suffix", "images", "format", "options", "system", "template",
                                  "context", "stream", "raw", "keep_alive", "think", "truncate", "shift", "logprobs",
                                  "top_logprobs", "page_local"})}
+
+
+# /api/embed's fields (options and keep_alive: accepted, no effect here)
+EMBED_FIELDS = frozenset({"model", "input", "truncate", "options", "keep_alive", "dimensions"})
 
 
 def _refuse(body: dict, route: str = "chat") -> None:
@@ -338,13 +344,45 @@ def routes(backend):
     async def chat(request):
         return await complete(request, "chat")
 
+    async def embed(request):
+        t0 = time.perf_counter_ns()
+        ready(backend)
+        body = protocol.parse_json(await read_body(request, s.max_body_bytes))
+        for key in body:
+            if key not in EMBED_FIELDS:
+                raise bad(f"field {key} is not supported by page-local's /api/embed; it reads "
+                          f"{', '.join(sorted(EMBED_FIELDS))}", key, "unsupported_parameter")
+        check_model(body.get("model"))
+        if body.get("dimensions") is not None:
+            raise bad("dimensions is not supported by page-local (the vectors have the model's own size)",
+                      "dimensions", "unsupported_parameter")
+        truncate = body.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise bad(f"truncate must be true or false, got {truncate!r}", "truncate")
+        x = body.get("input")
+        if isinstance(x, list) and any(not isinstance(i, str) for i in x):
+            raise bad("input must be a string or a list of strings", "input")
+        done = await model_routes.embed(request, backend, {"input": x}, truncate=truncate)
+        if done is None:
+            return Response(status_code=499)
+        vectors, n = done
+        return JSONResponse({"model": body["model"], "embeddings": [[float(v) for v in vec] for vec in vectors],
+                             "total_duration": time.perf_counter_ns() - t0, "load_duration": 0,
+                             "prompt_eval_count": n})
+
     async def generate(request):
         return await complete(request, "generate")
 
     async def complete(request, route: str):
         t0 = time.perf_counter_ns()
         ready(backend)
-        backend.pool.admit()  # a full queue refuses the request before its body is read
+        admission = backend.pool.admit()  # a full queue refuses the request before its body is read
+        try:
+            return await answer_request(request, route, admission, t0)
+        finally:
+            admission.close()
+
+    async def answer_request(request, route: str, admission, t0: int):
         body = protocol.parse_json(await read_body(request, s.max_body_bytes))
         check_model(body.get("model"))
         openai, kind, names = openai_request(body, route)
@@ -362,7 +400,7 @@ def routes(backend):
         job.namespace = namespace(request)
         tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
         try:
-            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace))
+            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace, admission))
         except Gone:
             return Response(status_code=499)
         t_slot = time.perf_counter_ns()
@@ -418,7 +456,8 @@ def routes(backend):
             Route("/api/ps", guarded(ps), methods=["GET"]),
             Route("/api/show", guarded(show), methods=["POST"]),
             Route("/api/chat", guarded(chat), methods=["POST"]),
-            Route("/api/generate", guarded(generate), methods=["POST"])]
+            Route("/api/generate", guarded(generate), methods=["POST"]),
+            Route("/api/embed", guarded(embed), methods=["POST"])]
 
 
 def _names(job) -> set[str]:

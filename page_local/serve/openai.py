@@ -17,7 +17,16 @@ import json
 from page_local.serve import protocol, tools
 from page_local.serve.backend import Turn
 from page_local.serve.errors import ApiError
-from page_local.serve.http import Gone, collect, error_response, namespace, read_body, ready, unless_gone
+from page_local.serve.http import (
+    Gone,
+    collect,
+    error_response,
+    namespace,
+    read_body,
+    ready,
+    sse_response,
+    unless_gone,
+)
 
 
 def unknown_model(backend, name: str) -> ApiError:
@@ -27,7 +36,6 @@ def unknown_model(backend, name: str) -> ApiError:
 
 def routes(backend) -> list:
     """Starlette routes over `backend`, with and without the /v1 prefix."""
-    from sse_starlette.sse import EventSourceResponse
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -55,7 +63,13 @@ def routes(backend) -> list:
 
     async def complete(request, kind: str):
         ready(backend)
-        backend.pool.admit()  # a full queue refuses the request before its body is read
+        admission = backend.pool.admit()  # a full queue refuses the request before its body is read
+        try:
+            return await answer_request(request, kind, admission)
+        finally:
+            admission.close()  # (acquire closed it, unless the request failed before)
+
+    async def answer_request(request, kind: str, admission):
         job = protocol.parse_job(protocol.parse_json(await read_body(request, s.max_body_bytes)), kind,
                                  backend.max_tokens_limit)
         job.namespace = namespace(request)
@@ -64,7 +78,7 @@ def routes(backend) -> list:
         tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
         rid, created = protocol.new_id(kind), protocol.now()
         try:
-            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace))
+            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace, admission))
         except Gone:
             return Response(status_code=499)
         turn = Turn(backend, slot, job, tokens, n_keep)
@@ -76,7 +90,7 @@ def routes(backend) -> list:
             if first[0] == "error":
                 return error_response(first[1])
             if job.stream:
-                return EventSourceResponse(sse(turn, first, job, kind, rid, created, name), ping=0, sep="\n")
+                return sse_response(sse(turn, first, job, kind, rid, created, name))
             parts, done = await unless_gone(request, collect(turn, first))
         except Gone:
             turn.close()

@@ -322,6 +322,11 @@ def parse_job(body: dict, kind: str, max_tokens_limit: int) -> Job:
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("stream_options must be an object like {\"include_usage\": true}", "stream_options")
+        for key in opts:  # include_obfuscation: OpenAI's padding of chunks; page-local adds none (no effect)
+            if key not in ("include_usage", "include_obfuscation"):
+                raise bad(f"stream_options.{key} is not supported by page-local (it reads include_usage; "
+                          "include_obfuscation is accepted without effect)", f"stream_options.{key}",
+                          "unsupported_parameter")
         job.include_usage = bool(opts.get("include_usage"))
     job.overrides = _overrides(body)
     return job

@@ -124,6 +124,14 @@ class SnapshotCache:
                     found = (n, key)
             return found
 
+    def drop_prefixes(self, history, namespace: str) -> None:
+        """Forget the namespace's snapshots that `history` continues (an older copy of the same conversation)."""
+        with self._lock:
+            for key in [k for k, item in self._items.items() if item.namespace == namespace
+                        and len(item.history) <= len(history) and common_prefix(item.history, history)
+                        == len(item.history)]:
+                self.nbytes -= self._items.pop(key).nbytes
+
     def take(self, key: int, keep: bool = False) -> Cached | None:
         """A snapshot that becomes a slot's live conversation: removed from the cache, or with keep
         (the request shares only a prefix of it: the conversation itself stays cached) marked as the
@@ -167,6 +175,7 @@ class Slot:
         self.last_used = 0.0
         self.busy = False
         self.cancel: threading.Event | None = None  # the running request's, for shutdown
+        self.parked = False  # the live conversation is also in the cache as it is now (park)
 
     def live_prefix(self, tokens: list[int], namespace: str = NO_KEY) -> int:
         if namespace != self.owner:
@@ -179,6 +188,7 @@ class Slot:
         what is left to prefill (at least one token: the engine needs a token to decode before sampling).
         Another namespace's live conversation is snapshotted (as its own) and replaced."""
         eng = self.engine
+        parked, self.parked = self.parked, False
         n_live = self.live_prefix(tokens, namespace)
         n_snap, key = self.cache.best(tokens, namespace)
         source, evicted = ("live" if n_live else "none"), self.evicted
@@ -188,7 +198,8 @@ class Slot:
             continues = n_snap >= self.cache.answer_from(key)
             item = self.cache.take(key, keep=not continues)
             if item is not None:
-                self._push_out(0)  # the live conversation is replaced whole
+                if not parked:
+                    self._push_out(0)  # the live conversation is replaced whole
                 try:
                     eng.restore(item.snap)
                     self.answer_from, self.evicted = item.answer_from, item.evicted
@@ -196,7 +207,7 @@ class Slot:
                 except ValueError:  # StateFileError: the engine kept the conversation it had
                     if continues:
                         self.cache.put(item)
-        else:
+        elif not parked:
             self._push_out(n_live)
         n = min(n_live, len(tokens) - 1)
         if n == len(tokens) - 1:
@@ -219,6 +230,17 @@ class Slot:
         if len(eng.history) > keep and keep < self.answer_from:
             self.cache.put(Cached(eng.snapshot(), self.answer_from, self.owner))
 
+    def park(self) -> None:
+        """After a request, on a server with keys: the live conversation is snapshotted now, as its key's, so
+        that another key's request taking this slot does not snapshot it inside its own turn (its time to the
+        first token would grow with this key's conversation). Older snapshots it continues are dropped."""
+        eng = self.engine
+        if self.parked or not len(eng.history):
+            return
+        self.cache.drop_prefixes(eng.history, self.owner)
+        self.cache.put(Cached(eng.snapshot(), self.answer_from, self.owner))
+        self.parked = True
+
     def settle(self, n_prompt: int) -> None:
         """After a request: where the live conversation's last answer began (n_prompt, if the prompt
         reached the cache; else the whole history is prompt) and whether its cells miss any token."""
@@ -229,7 +251,7 @@ class Slot:
     def forget(self) -> None:
         """After a request that failed once its conversation was in place: the engine may hold a half
         prefilled prompt, or a cache evicted under that request's own settings; nobody reuses it."""
-        self.answer_from, self.evicted = 0, False
+        self.answer_from, self.evicted, self.parked = 0, False, False
         self.engine.rewind(0)
 
     def close(self) -> None:
@@ -237,33 +259,54 @@ class Slot:
         self.engine.close()
 
 
+class Admission:
+    """A request let in by SlotPool.admit() until it asks for a slot (or fails before): close() once."""
+
+    def __init__(self, pool: SlotPool):
+        self._pool = pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.entering -= 1
+            self._pool = None
+
+
 class SlotPool:
     """The slots and a bounded FIFO of requests waiting for one; used on the event loop only.
 
     acquire() gives a free slot at once (the one whose live conversation, in the request's namespace,
     shares the longest prefix with the request), else waits in line; ApiError 503 with Retry-After
-    when the line is full. admit() says so before the request is even read."""
+    when the line is full. admit() says so before the request is even read, and counts the requests it
+    let in that are still reading their bodies or being tokenized (`entering`) as already in line: the
+    free slots and the queue are for them first."""
 
     def __init__(self, slots: list[Slot], queue_max: int):
         self.slots = slots
         self.queue_max = queue_max
         self._free: list[Slot] = list(slots)
         self._waiting: deque[asyncio.Future] = deque()
+        self.entering = 0  # admitted, not yet in acquire(): reading the body, tokenizing
 
     @property
     def waiting(self) -> int:
         return sum(1 for f in self._waiting if not f.done())
 
-    def admit(self) -> None:
-        """503 now if a request arriving now could neither run nor wait: checked before its body is read."""
-        if not self._free and self.waiting >= self.queue_max:
+    def admit(self) -> Admission:
+        """503 now if a request arriving now could neither run nor wait, counting those admitted before it
+        that have not reached acquire() yet: checked before its body is read. The Admission is closed by
+        acquire() (or by the caller, when the request fails before)."""
+        if self.entering + self.waiting >= len(self._free) + self.queue_max:
             raise self._busy()
+        self.entering += 1
+        return Admission(self)
 
     def _busy(self) -> ApiError:
         return ApiError(503, f"the server is busy: {len(self.slots)} request(s) running and {self.queue_max} "
                              "waiting; retry shortly", "server_busy", headers={"Retry-After": "1"})
 
-    async def acquire(self, tokens: list[int], namespace: str = NO_KEY) -> Slot:
+    async def acquire(self, tokens: list[int], namespace: str = NO_KEY, admission: Admission | None = None) -> Slot:
+        if admission is not None:
+            admission.close()
         if self._free:
             return self._take(tokens, namespace)
         if self.waiting >= self.queue_max:
