@@ -13,6 +13,7 @@ from page_local.cli.calibrate import calibrate_cmd
 from page_local.cli.chat import chat_cmd
 from page_local.cli.common import show_llama_log
 from page_local.cli.eval import eval_group
+from page_local.cli.eval_longdoc import eval_longdoc
 from page_local.cli.inspect import inspect_cmd
 from page_local.cli.models import models_cmd
 from page_local.cli.rpc_server import rpc_server_cmd
@@ -32,3 +33,4 @@ for _command in (run_cmd, chat_cmd, models_cmd, calibrate_cmd, inspect_cmd, eval
                  rpc_server_cmd, tune_cmd):
     main.add_command(_command)
 bench_group.add_command(bench_serve_cmd, name="serve")  # beside its server (cli/serve.py)
+eval_group.add_command(eval_longdoc)  # eval longdoc (cli/eval_longdoc.py)

@@ -1,0 +1,86 @@
+"""The long-document evaluation's report, from the rows eval/longdoc.py writes.
+
+    markdown(summarize(read_rows("results/longdoc-x.jsonl")))
+
+Per (policy, length, n_ctx): accuracy with its 95 % Wilson interval, the questions paired with the full
+cache (this policy right and the full cache wrong / the full cache right and this policy wrong), the mean
+time to first token (a question alone: the shared reading and its own), decode tok/s, and the cost of a
+question (the shared reading divided among the document's questions, plus the question's own time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from page_local.eval.longdoc import POLICIES
+from page_local.eval.report import _table
+
+LABEL = {"full": "full cache", "room": "room, ranked by the question (default)",
+         "room-recent": "room, ranked by the newest queries", "shift": "context shift (llama.cpp)",
+         "truncate": "truncation (Ollama)", "server": "llama-server (400 over the context)"}
+Z95 = 1.959964
+
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of k successes in n trials (95 % by default); (0, 1) when n is 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (n_ctx, length, policy): n, correct, accuracy, its interval, the pairs against the full
+    cache on the same (document, question), mean TTFT, tok/s and cost per question."""
+    by = defaultdict(dict)  # (model, n_ctx, length, policy) -> {(doc, question): row}
+    for r in rows:
+        by[(r["model"], r["n_ctx"], r["length"], r["policy"])][(r["doc"], r["question"])] = r
+    out = []
+    order = {p: i for i, p in enumerate(POLICIES)}
+    for (model, n_ctx, length, policy), qs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
+                                                                                    order.get(kv[0][3], 99))):
+        k, n = sum(bool(r["correct"]) for r in qs.values()), len(qs)
+        full = by.get((model, n_ctx, length, "full"), {})
+        both = [q for q in qs if q in full]
+        lo, hi = wilson(k, n)
+        out.append(dict(model=model, n_ctx=n_ctx, length=length, policy=policy, n=n, correct=k,
+                        accuracy=k / n if n else None, ci=(lo, hi), paired=len(both),
+                        wins=sum(bool(qs[q]["correct"]) and not full[q]["correct"] for q in both),
+                        losses=sum(bool(full[q]["correct"]) and not qs[q]["correct"] for q in both),
+                        ttft_s=_mean(r.get("ttft_s") for r in qs.values()),
+                        tok_s=_mean(r.get("decode_tok_s") for r in qs.values()),
+                        cost_s=_mean(r.get("cost_s") for r in qs.values()) if policy != "server" else None))
+    return out
+
+
+def _f(v, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def markdown(summary: list[dict]) -> str:
+    """A table per model: the rows of summarize, by n_ctx and length."""
+    lines = ["# Long documents: one reading per document, several questions", ""]
+    models = sorted({s["model"] for s in summary})
+    for m in models:
+        if len(models) > 1:
+            lines += [f"## {m}", ""]
+        rows = []
+        for s in (s for s in summary if s["model"] == m):
+            acc = f"{s['accuracy']:.2f} [{s['ci'][0]:.2f}, {s['ci'][1]:.2f}]" if s["n"] else "–"
+            pair = "–" if s["policy"] == "full" or not s["paired"] else f"{s['wins']} / {s['losses']}"
+            rows.append((s["n_ctx"], f"{s['length']:g}×", LABEL.get(s["policy"], s["policy"]),
+                         f"{s['correct']}/{s['n']}", acc, pair, _f(s["ttft_s"]), _f(s["tok_s"]), _f(s["cost_s"])))
+        lines += [_table(("n_ctx", "length", "policy", "right", "accuracy (95 % Wilson)",
+                          "vs full: it right & full wrong / full right & it wrong", "TTFT (s)", "decode tok/s",
+                          "cost per question (s)"), rows), ""]
+    lines.append("llama-server's row is 0 by definition: a prompt over the context is refused (400); nothing runs.")
+    return "\n".join(lines) + "\n"
