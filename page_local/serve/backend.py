@@ -11,7 +11,6 @@ A request's events, in order, each put on the event loop's queue from the slot's
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ from page_local.errors import Cancelled, ContextFull, EngineBusy, PageLocalError
 from page_local.serve.errors import ApiError, bad
 from page_local.serve.fields import check_with_model
 from page_local.serve.metrics import Metrics
+from page_local.serve.prompt import Prompt
 from page_local.serve.protocol import Job, StopScanner, finish_reason, finite, usage
 from page_local.serve.logprobs import LogprobTracker
 from page_local.serve.slots import Slot, SlotPool, SnapshotCache
@@ -82,11 +82,7 @@ class Backend:
         self.model = None  # native.runtime.Model: loaded once, shared by every slot's engine
         self.pool: SlotPool | None = None
         self.cache = SnapshotCache(settings.cache_bytes)
-        self.template = None
-        self.template_error: str | None = None
-        self.tool_template = None  # chat_template.ToolTemplate: tools, tool calls and results, marked contents
-        self.specials: list[str] = []  # the text of the model's control tokens (<|im_end|>, ...)
-        self._render_lock = threading.Lock()  # ChatTemplate.render sets a flag on its formatter
+        self.prompt = None  # prompt.Prompt: the chat templates and how a request becomes tokens
         self.loaded_at = int(time.time())
         self.counts = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
                        "completion_tokens": 0}
@@ -119,7 +115,6 @@ class Backend:
         self._loader.start()
 
     def _load(self, on_ready, on_error) -> None:
-        from page_local.chat.template import ChatTemplate
         from page_local.engine.engine import Engine
         from page_local.native.runtime import Model, Turns
 
@@ -140,16 +135,9 @@ class Backend:
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
                     self.warnings.append(eng.profile_warning)
-            try:
-                self.template = ChatTemplate(self.model,
-                                             fallback="send plain text to /v1/completions instead")
-            except ValueError as e:  # ChatTemplateError: chat completions are refused, completions work
-                self.template_error = str(e)
-                self.warnings.append(str(e))
-            from page_local.serve.chat_template import ToolTemplate
-
-            self.tool_template = ToolTemplate(self.model)
-            self.specials = control_texts(self.model)
+            self.prompt = Prompt(self.model, s.served_name)
+            if self.prompt.template_error:  # chat completions are refused, completions work
+                self.warnings.append(self.prompt.template_error)
         except (PageLocalError, OSError, ValueError) as e:
             self.error, self.state = " ".join(str(e).split()), "error"
             self._close_slots()
@@ -194,80 +182,22 @@ class Backend:
 
     # --- one request ---------------------------------------------------------------------------
     def tokens(self, job: Job) -> tuple[list[int], int]:
-        """The request as the model reads it: the chat template rendered (with the assistant's turn
-        opened) or the text, tokenized as a fresh conversation (BOS and all); and n_keep, how many
-        leading tokens are the system prompt and the first turn's header, which making room never
-        evicts (as ChatSession tells the engine). Thread-safe. A grammar or a logit bias the model
-        cannot take, or tools it cannot call, are refused here, before the request waits for a slot.
-
-        What a client wrote is text: a message holding the text of a control token (`<|im_end|>`) is
-        tokenized apart from the template's own text, without parsing special tokens, so it cannot close
-        its turn or open another."""
-        model = self.model
+        """The request as the model reads it, and n_keep (prompt.Prompt.tokens). Thread-safe. A grammar or a
+        logit bias the model cannot take, or tools it cannot call, are refused here, before the request
+        waits for a slot."""
         if job.kind == "chat" and job.uses_tools:
-            self.check_tools(job)
-        check_with_model(job, model)
-        if job.kind != "chat":
-            return model.tokenize(job.prompt, add_special=True), 0
-        if self.template is None:
-            raise bad(f"chat completions need the model's chat template: {self.template_error}", "messages",
-                      "no_chat_template")
-        mark = "\u2063page-local\u2063"
-        system = list(itertools.takewhile(lambda m: m["role"] == "system", job.messages))
-        contents = [m["content"] for m in job.messages]
-        if any(sp in c for c in contents for sp in self.specials):
-            marked = [{**m, "content": f"{mark}{i}{mark}"} for i, m in enumerate(job.messages)]
-            from page_local.serve.chat_template import tokenize_texts
-
-            toks = tokenize_texts(model, self._render(job, marked), contents, mark)
-            if toks is None:
-                i = next(i for i, c in enumerate(contents) if any(sp in c for sp in self.specials))
-                raise bad(f"messages[{i}].content holds the text of one of the model's control tokens, and this "
-                          "model's chat template rewrites messages, so page-local cannot keep it apart as text: "
-                          "leave it out", f"messages[{i}].content")
-        else:
-            toks = model.tokenize(self._render(job, job.messages), add_special=True)
-        head = self._render(job, system + [{"role": "user", "content": mark}], generation_prompt=False)
-        head = head[: head.find(mark)] if mark in head else ""
-        keep = model.tokenize(head, add_special=True) if head else []
-        return toks, (len(keep) if toks[: len(keep)] == keep else 0)
-
-    def check_tools(self, job: Job) -> None:
-        """400 naming the model when its chat template cannot show it tools or page-local cannot read its calls."""
-        t = self.tool_template
-        if t is not None and t.tool_format is not None:
-            return
-        s = self.settings
-        why = t.why_not if t is not None else "its chat template could not be read"
-        param = "tools" if job.offers_tools else "messages"
-        raise ApiError(400, f"{param}: the served model {s.served_name} ({s.model_path.name}) cannot call tools: "
-                            f"{why}. Serve a model whose chat template has tool calling (for example `page-local "
-                            "models install qwen2.5-coder`, then `page-local serve --model qwen2.5-coder`), or "
-                            "leave tools out (for an answer in JSON, response_format json_schema works on any "
-                            "model)", "tools_not_supported", param)
+            self.prompt.check_tools(job)
+        check_with_model(job, self.model)
+        return self.prompt.tokens(job)
 
     def render(self, job: Job) -> str:
-        """The chat request's conversation as the model reads it (the template, the assistant's turn opened),
-        or a text request's prompt. Thread-safe."""
-        if job.kind != "chat":
-            return job.prompt
-        return self._render(job, job.messages)
+        """The chat request's conversation as the model reads it, or a text request's prompt. Thread-safe."""
+        return self.prompt.render(job)
 
-    def _render(self, job: Job, messages: list[dict], generation_prompt: bool = True) -> str:
-        t = self.tool_template
-        shown = job.tools and t is not None and t.tool_format is not None
-        if job.uses_tools or shown:  # Jinja with tools (chat_template.py); check_tools said the template has them
-            try:
-                return t.render(messages, job.tools if shown else None, generation_prompt)
-            except Exception as e:  # noqa: BLE001 -- the template's own code refusing this conversation
-                roles = ", ".join(m["role"] for m in messages)
-                raise bad(f"the chat template in {self.settings.model_path.name} failed on a conversation of roles "
-                          f"[{roles}]: {type(e).__name__}: {e}", "messages") from None
-        with self._render_lock:
-            try:
-                return self.template.render(messages, generation_prompt=generation_prompt)
-            except ValueError as e:  # ChatTemplateError: the template refused this conversation
-                raise bad(str(e), "messages") from None
+    @property
+    def tool_template(self):
+        """chat_template.ToolTemplate, once loaded (None before)."""
+        return self.prompt.tool_template if self.prompt is not None else None
 
     def cache_map(self, eng, job: Job, tokens: list[int], answer: list[int], shown: str) -> dict | None:
         """The response's `cache_map` (held.py): which tokens of the conversation (the request's `tokens`,
@@ -509,18 +439,6 @@ class Backend:
                 "cache": {"snapshots": len(self.cache), "bytes": self.cache.nbytes, "cap_bytes": self.cache.cap,
                           "dropped": self.cache.dropped},
                 "counts": dict(self.counts), "rss_bytes": rss_bytes()}
-
-
-def control_texts(model) -> list[str]:
-    """The text of every control token of the model's vocabulary (<|im_start|>, <|im_end|>, ...): what a
-    client's message must not turn into."""
-    out = []
-    for t in range(model.n_vocab):
-        if model.is_control(t):
-            text = model.token_to_piece(t, special=True).decode("utf-8", "replace")
-            if text.strip():
-                out.append(text)
-    return out
 
 
 def _set_on_full(eng, mode: str) -> None:
