@@ -36,8 +36,8 @@ $(VENV)/.stamp-venv:
 # CMakeLists.txt), as an editable install over the build tree build/: page_local/ is used from the
 # checkout, the libraries, bindings/ and llama_cpp are installed copies. It runs again only when
 # one of those sources, the build files, BACKEND or RPC changed; then ninja rebuilds what changed.
-NATIVE_SRC := pyproject.toml CMakeLists.txt csrc/UPSTREAM csrc/upstream.patch \
-              $(wildcard csrc/*.cpp csrc/*.h csrc/include/*.h bindings/*.py)
+NATIVE_SRC := pyproject.toml CMakeLists.txt csrc/UPSTREAM \
+              $(wildcard csrc/patches/*.patch csrc/kernels/* csrc/*.cpp csrc/*.h csrc/include/*.h bindings/*.py)
 PIP_E := $(BIN)/pip install -q --no-build-isolation \
          -Ccmake.define.PAGE_BACKEND=$(BACKEND) -Ccmake.define.PAGE_CACHE_DIR=$(CACHE) \
          -Ccmake.define.PAGE_RPC=$(if $(filter 1,$(RPC)),ON,OFF) -Cbuild.tool-args=-j$(JOBS)

@@ -120,7 +120,7 @@ void pack_lanes_transposed(ggml_tensor * t, size_t base, size_t es, size_t strid
 
 } // namespace
 
-// page-local's access to llama_kv_cache's private state (a friend: see csrc/upstream.patch)
+// page-local's access to llama_kv_cache's private state (a friend: see csrc/patches/02-cache-operations.patch)
 struct llama_page_kv_access {
     // the plan for one stream of kv, or an error message if the cache cannot be compacted now
     static std::string plan(llama_kv_cache & kv, uint32_t strm, move_plan & p) {

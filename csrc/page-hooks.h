@@ -1,4 +1,4 @@
-// page-hooks.h — the call sites csrc/upstream.patch adds to upstream llama.cpp.
+// page-hooks.h — the call sites csrc/patches/01-probe-hooks.patch adds to upstream llama.cpp.
 // Kept out of llama-graph.h on purpose: that header is included by every model file.
 #pragma once
 

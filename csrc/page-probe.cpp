@@ -501,7 +501,7 @@ int32_t copy_out(const std::vector<T> & src, T * dst, int64_t n, const char * wh
 } // namespace
 
 //
-// hooks called from upstream (csrc/upstream.patch)
+// hooks called from upstream (csrc/patches/01-probe-hooks.patch)
 //
 
 void llama_page_decode_begin(llama_context * ctx) {

@@ -95,7 +95,7 @@ def test_rerun_reproduces_the_committed_rows(tmp_path, monkeypatch):
         pytest.skip(f"no rows are committed for this CPU class ({cpu_class()}): write them with the commands in "
                     "this module's docstring under PAGE_LOCAL_FLASH_ATTN=on, as tests/fixtures/eval-rows-<class>.jsonl")
     monkeypatch.setenv("PAGE_LOCAL_FLASH_ATTN", "on")
-    # and llama.cpp's own one-token decode kernel: page-local's (csrc/upstream.patch) sums in another order
+    # and llama.cpp's own one-token decode kernel: page-local's (csrc/kernels/page-fa-decode.cpp) sums in another order
     monkeypatch.setenv("PAGE_LOCAL_FA_KERNEL", "llama.cpp")
     monkeypatch.setenv("PAGE_LOCAL_PROBE_BATCH", "apart")  # the rows were read with the probe's window a batch of its own
     want = read_rows(fixture)

@@ -1,5 +1,5 @@
-"""page-local's prefill kernels (csrc/upstream.patch, docs/design.md section 6.2): the Q4_1 matmul
-(ggml-cpu.c, arch/x86/quants.c) and the conversions in flash attention's tiled prefill kernel (ops.cpp).
+"""page-local's prefill kernels (csrc/kernels/, docs/design.md section 6.2): the Q4_1 matmul
+(page-matmul.c, page-q4_1-x86.inc) and the conversions in flash attention's tiled prefill kernel (page-fa-tile.cpp).
 
 On x86 with AVX2 a prompt's Q4_1 matmuls take one weight row against four tokens per pass, and the tiled
 flash-attention kernel converts its mask and K rows with ggml's vector F16->F32 routine; each output is

@@ -452,7 +452,7 @@ def _kill_mid_run(server_exe, argv, started, stdin=False):
 
 def test_killed_remote_mid_run(smollm2_path, server_exe):
     """A server killed while an answer is being generated: the answer stops with one RemoteLost naming
-    the server's address (ggml's RPC client, as csrc/upstream.patch leaves it, no longer aborts the
+    the server's address (ggml's RPC client, as csrc/patches/03-rpc.patch leaves it, no longer aborts the
     process), the engine keeps refusing with the same error, closing it works, and a local engine in the
     same process loads and answers."""
     def started(child):

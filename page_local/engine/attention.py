@@ -3,7 +3,7 @@
 llama.cpp's flash_attn "auto" turns flash attention on for the CPU backend, and stock llama.cpp's CPU kernel
 decodes one token slower than the plain path once the cache holds a few thousand cells (Intel Xeon with
 AVX-512: 1.8x at 1K cells to 3-6x at 8K; AMD EPYC Zen 1: 1.6x at 2K), while it reads a prompt as fast or
-faster. page-local's patch (csrc/upstream.patch) replaces that decode kernel for an F16 cache with a
+faster. page-local's kernel (csrc/kernels/page-fa-decode.cpp) replaces that decode kernel for an F16 cache with a
 vectorised one (docs/design.md section 6.1): on AMD EPYC Zen 1 it decodes 1.04x (2K cells) to 1.19x (4K)
 faster than the plain path, and prefill stays 1.3x faster than the plain path. So "auto" here means:
 

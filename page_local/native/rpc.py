@@ -145,7 +145,7 @@ def _install_abort_hook(lib) -> None:
 
 def lost(endpoints) -> list[str]:
     """The endpoints among these whose connection failed mid-run. ggml's RPC client, as page-local
-    patches it (csrc/upstream.patch), stops sending once a server stops answering, reads zeros for its
+    patches it (csrc/patches/03-rpc.patch), stops sending once a server stops answering, reads zeros for its
     answers and fails every later graph, instead of aborting the process; this asks which."""
     query = _lost_query() if endpoints else None
     return [ep for ep in endpoints if query(ep.encode())] if query else []
