@@ -213,6 +213,11 @@ def test_a_streamed_call_is_held_back_until_whole():
         events += scan.feed(piece)
     events += scan.flush()
     assert [e[0] for e in events] == ["text", "text", "call"] and "".join(e[1] for e in events[:2]) == "Hi there "
+    scan = tools.CallScanner({"add"})  # code that is not a call is sent as it comes, not at the end
+    assert scan.feed("``") == [] and scan.feed("`python\nprint(1)") == [("text", "```python\nprint(1)")]
+    scan = tools.CallScanner({"add"})  # a bare call is held whole, then read as one
+    assert scan.feed("{\"name\": \"add\", ") == [] and scan.feed("\"arguments\": {}}") == []
+    assert [e[0] for e in scan.flush()] == ["call"]
 
 
 @pytest.mark.parametrize("value, message", [

@@ -246,9 +246,13 @@ class CallScanner:
 
     def feed(self, piece: str) -> list[tuple]:
         self.buf += piece
-        if self.hold is None and self.buf.strip():
-            head = self.buf.lstrip()
-            self.hold = head.startswith("{") or (FENCE.startswith(head[:7]) and head[0] == "`")
+        head = self.buf.lstrip()
+        if self.hold is None and head:  # decided by the answer's first characters
+            if head[0] == "`":  # "```json" holds; "```python", or any other text, does not
+                if len(head) >= len(FENCE) or not FENCE.startswith(head):
+                    self.hold = head.startswith(FENCE)
+            else:
+                self.hold = head[0] == "{"
         if self.hold is not False:
             return []
         out: list[tuple] = []
