@@ -85,13 +85,14 @@ def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, 
                                            engine_options=engine_options) as run:
             plan = run.plan()
             cell = (max(n_list), max(l_list))
-            hours, source = None, ""
+            hours, source, piloted = None, "", 0
             if pilot_s is not None:
                 hours = run.estimate_hours({p: pilot_s for p in policy_list}, cell)
                 source = f"--pilot-s {pilot_s:g} s per question per policy at {cell[1]:g}× n_ctx {cell[0]}"
             elif plan["runs_left"]:
                 click.echo(f"pilot: {len(policy_list)} policies × up to 3 questions of one document ...", err=True)
                 p = run.pilot()
+                piloted = p["rows_written"]
                 if p["cost_s"]:
                     cell = p["cell"]
                     hours = run.estimate_hours(p["cost_s"], cell)
@@ -106,5 +107,5 @@ def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, 
         fail(f"interrupted; finished rows are in {out} (run the same command again to resume)", 1)
     with one_line_errors():
         click.echo(markdown(summarize(read_rows(out))))
-    click.echo(f"{res['rows_written']} rows written ({res['rows_present']} already there) in "
+    click.echo(f"{res['rows_written'] + piloted} rows written ({res['rows_present'] - piloted} already there) in "
                f"{time.perf_counter() - t0:.1f} s -> {out}", err=True)

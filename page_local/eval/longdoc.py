@@ -418,10 +418,11 @@ class LongDocRun:
         every policy (rows of the evaluation: kept). cost_s {policy: seconds per question}, at `cell`."""
         units = self.units()
         if not units:
-            return dict(cell=None, cost_s={}, wall_s=0.0)
+            return dict(cell=None, cost_s={}, wall_s=0.0, rows_written=0)
         cell, d = units[0][0], units[0][1]
         res = self.run(progress, [(c, dd, p, qs[:n]) for c, dd, p, qs in units if (c, dd) == (cell, d)])
-        return dict(cell=(cell.n_ctx, cell.length), cost_s=res["cost_s"], wall_s=res["wall_s"])
+        return dict(cell=(cell.n_ctx, cell.length), cost_s=res["cost_s"], wall_s=res["wall_s"],
+                    rows_written=res["rows_written"])
 
     def estimate_hours(self, cost_s: dict[str, float], cell: tuple[int, float]) -> float:
         """Hours for what is left, from seconds per question per policy measured at `cell`, scaled by the
