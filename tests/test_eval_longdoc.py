@@ -144,3 +144,17 @@ def test_the_plan_from_a_given_pilot(cli, tmp_path):
     assert "estimated 0.2 h" in res.output and not out.exists()
     res = cli("eval", "longdoc", "--report", "--out", tmp_path / "none.jsonl")
     assert res.exit_code == 2 and "no such rows file" in res.output
+
+
+def test_the_command_pilots_plans_runs_and_reports_then_resumes(cli, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    args = ("eval", "longdoc", "--docs", "2", "--questions", "1", "--n-ctx", "256", "--lengths", "1.5",
+            "--policies", "truncate,server", "--threads", THREADS, "--max-tokens", "8", "--quiet", "--out", out)
+    res = cli(*args)
+    assert res.exit_code == 0, res.output
+    assert "pilot at 1.5× n_ctx 256, s per question: truncate" in res.output  # measured first, its rows kept
+    assert "| 256 | 1.5× | truncation (Ollama) |" in res.output and "4 rows written (0 already there)" in res.output
+    assert len(lines(out)) == 4
+    res = cli(*args)  # everything is there: no pilot, nothing runs
+    assert res.exit_code == 0 and "pilot:" not in res.output and "0 question runs left; nothing to run" in res.output
+    assert "0 rows written (4 already there)" in res.output

@@ -24,12 +24,13 @@ def _list(value: str, kind, what: str) -> list:
 
 def _plan_text(plan: dict, hours: float | None, source: str) -> str:
     cells = ", ".join(f"{L:g}× n_ctx {n}" for n, L in plan["cells"])
-    est = f"{hours:.1f} h ({source})" if hours is not None else "unknown"
+    est = ("nothing to run" if not plan["runs_left"] else
+           f"estimated {hours:.1f} h ({source})" if hours is not None else "no estimate (no pilot measured)")
     return (f"plan: {plan['model']}; {plan['docs']} documents × {plan['questions_per_doc']} questions = "
             f"{plan['questions_per_cell']} questions per cell; cells: {cells}; "
             f"policies: {', '.join(plan['policies'])}\n"
             f"      {plan['rows']} rows, {plan['rows_done']} already there; {plan['runs_left']} question runs left; "
-            f"estimated {est}")
+            f"{est}")
 
 
 @click.command("longdoc")
