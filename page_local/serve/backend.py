@@ -22,6 +22,7 @@ from pathlib import Path
 
 from page_local import defaults
 from page_local.engine import narrate
+from page_local.engine.attention import AttentionSettings
 from page_local.errors import Cancelled, ContextFull, EngineBusy, PageLocalError, RemoteLost
 from page_local.serve.errors import ApiError, bad
 from page_local.serve.fields import check_with_model
@@ -51,6 +52,7 @@ class Settings:
     threads: int = defaults.THREADS
     n_gpu_layers: int | str | None = None
     rpc: tuple[str, ...] | None = None  # as Model's (None: $PAGE_LOCAL_RPC)
+    attention_settings: AttentionSettings | None = None  # as Engine's (None: the environment's)
     allow_long_context: bool = False
     parallel: int = 1
     queue: int = 16  # requests waiting for a slot before 503
@@ -130,7 +132,7 @@ class Backend:
                     return
                 extra = {} if s.verify_tokens is None else {"verify_tokens": s.verify_tokens}
                 eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
-                             threads=s.threads, on_full=s.on_full,
+                             threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
                              allow_long_context=s.allow_long_context, **extra)
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
