@@ -23,6 +23,7 @@ from pathlib import Path
 from page_local import defaults
 from page_local.engine import narrate
 from page_local.engine.attention import AttentionSettings
+from page_local.engine.settings import SettingError
 from page_local.errors import Cancelled, ContextFull, EngineBusy, PageLocalError, RemoteLost
 from page_local.serve.errors import ApiError, bad
 from page_local.serve.fields import check_with_model
@@ -223,20 +224,19 @@ class Backend:
 
     def run(self, slot: Slot, job: Job, tokens: list[int], n_keep: int, emit: Callable[[tuple], None],
             cancel: threading.Event) -> None:
-        """One request on `slot`, in the slot's thread: the request's overrides applied (and the slot's
-        settings put back after), the best cached conversation put in place, the rest prefilled and the
+        """One request on `slot`, in the slot's thread: the request's overrides resolved into the settings
+        its turn runs with (a value: the slot's engine is not changed), the best cached conversation put in place, the rest prefilled and the
         answer streamed as events. A set `cancel` stops it within one generated token. Only a request that
         ends (answered, or stopped by `cancel`) updates the slot's bookkeeping: one refused in its overrides
         leaves the slot as it was, one that fails later makes the slot forget its conversation."""
         eng = slot.engine
         slot.cancel = cancel
         eng.set_cancel(cancel)  # a set `cancel` also stops the prefill between ubatches (Cancelled)
-        saved = (eng.gate_mode, eng.budget, eng.evictor, eng.verify_tokens, eng.on_full)
         reuse = None
         placed = finished = False
         last = None  # the request's last event, sent once the slot's bookkeeping is done
         try:
-            self._apply(eng, job)  # a refused override changes nothing: the slot's conversation is as it was
+            turn = self._turn_settings(eng, job)  # a refused override changes nothing: the slot is as it was
             placed = True
             reuse = slot.prepare(tokens, job.namespace)
             tail = tokens[reuse.tokens:]
@@ -247,7 +247,8 @@ class Backend:
                 eng.set_progress(lambda done, total: emit(("progress", {
                     "total": cached + total, "cache": cached, "processed": cached + done,
                     "time_ms": round((time.perf_counter() - t0) * 1e3, 1)})))
-            stream = eng.stream(tail, max_tokens=job.max_tokens, sampling=job.sampling(), add_special=False)
+            stream = eng.stream(tail, max_tokens=job.max_tokens, sampling=job.sampling(), add_special=False,
+                                settings=turn)
             scanner = StopScanner(job.stop)
             lp = LogprobTracker(eng.model, stream, job.logprobs)
             shown = []  # the answer as sent: what the cache map places the answer's tokens in
@@ -270,7 +271,7 @@ class Backend:
             self._count(use, cancelled=cancel.is_set(), res=res,
                         evicted=cells + len(tail) + len(res.tokens) - eng.cells_used())
             finished = True
-            extension = self._extension(res, reuse, eng)
+            extension = self._extension(res, reuse, turn)
             if job.overrides.cache_map:  # asked for: it costs ~10 ms per 1K tokens, and for a cache evicted
                 # for speed, runs of a few tokens each (at 11K tokens, 30 % held: 130 ms and 440 KB of JSON)
                 extension["cache_map"] = self.cache_map(eng, job, tokens, res.tokens, "".join(shown))
@@ -312,7 +313,6 @@ class Backend:
             eng.set_cancel(None)
             eng.set_progress(None)
             try:
-                self._restore(eng, saved)
                 if finished:
                     slot.settle(len(tokens))
                 elif placed:  # failed once its conversation was being put in place
@@ -359,38 +359,18 @@ class Backend:
         return min(EMBED_CTX, self.settings.n_ctx)
 
     @staticmethod
-    def _apply(eng, job: Job) -> None:
+    def _turn_settings(eng, job: Job):
+        """The request's overrides over the slot's settings, as the value its turn runs with (the engine's
+        settings are not touched); a refused one is a 400 naming the field, in the engine's words."""
         o = job.overrides
-        if o.gate is not None or o.evictor is not None:  # together: the pair is checked as it will be
-            try:
-                eng.set_gate_and_evictor(o.gate or eng.gate_mode, o.evictor or eng.evictor)
-            except ValueError as e:
-                field = "evictor" if o.evictor is not None else "gate"
-                raise bad(f"page_local.{field}: {e}", f"page_local.{field}") from None
-        steps = (("budget", o.budget, eng.set_budget),
-                 ("verify_tokens", o.verify_tokens,
-                  lambda v: eng.set_verify(v, eng.verify_threshold, eng.verify_rule)),
-                 ("on_full", o.on_full, lambda v: _set_on_full(eng, v)))
-        for name, value, setter in steps:
-            if value is not None:
-                try:
-                    setter(value)
-                except ValueError as e:  # the engine's own rule for the value, in its words
-                    raise bad(f"page_local.{name}: {e}", f"page_local.{name}") from None
+        try:
+            return eng.turn_settings(gate=o.gate, evictor=o.evictor, budget=o.budget, verify_tokens=o.verify_tokens,
+                                     on_full=o.on_full)
+        except SettingError as e:
+            raise bad(f"page_local.{e.field}: {e}", f"page_local.{e.field}") from None
 
     @staticmethod
-    def _restore(eng, saved: tuple) -> None:
-        gate, budget, evictor, verify_tokens, on_full = saved
-        _set_on_full(eng, on_full)
-        if eng.gate_mode != gate or eng.evictor != evictor:
-            eng.set_gate_and_evictor(gate, evictor)
-        if eng.budget != budget or type(eng.budget) is not type(budget):
-            eng.set_budget(budget)
-        if eng.verify_tokens != verify_tokens:
-            eng.set_verify(verify_tokens, eng.verify_threshold, eng.verify_rule)
-
-    @staticmethod
-    def _extension(res, reuse, eng) -> dict:
+    def _extension(res, reuse, turn) -> dict:
         """The response's `page_local` object: the Decision (and its summary in words), the cache reuse,
         the settings the request ran with."""
         d = res.decision
@@ -401,8 +381,8 @@ class Backend:
             decision["verdict"] = narrate.status(d)  # the status phrase (the REPL's line)
         return {"decision": decision,
                 "cache": {"reused_tokens": reuse.tokens, "source": reuse.source, "reused_evicted": reuse.evicted},
-                "settings": {"gate": eng.gate_mode, "budget": eng.budget, "evictor": eng.evictor,
-                             "verify_tokens": eng.verify_tokens, "on_full": eng.on_full},
+                "settings": {"gate": turn.gate_mode, "budget": turn.budget, "evictor": turn.evictor.name,
+                             "verify_tokens": turn.verify_tokens, "on_full": turn.on_full},
                 "answer": {"tokens": len(res.tokens), "gen_ms": res.gen_s * 1e3,
                            "tokens_per_s": res.tokens_per_s}}
 
@@ -441,13 +421,6 @@ class Backend:
                 "cache": {"snapshots": len(self.cache), "bytes": self.cache.nbytes, "cap_bytes": self.cache.cap,
                           "dropped": self.cache.dropped},
                 "counts": dict(self.counts), "rss_bytes": rss_bytes()}
-
-
-def _set_on_full(eng, mode: str) -> None:
-    # the Engine has no setter for its context policy (yet): validated by the engine's own check
-    from page_local.engine.room import check_on_full
-
-    eng.on_full = check_on_full(mode)
 
 
 class Turn:
