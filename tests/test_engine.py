@@ -435,3 +435,32 @@ def test_second_turn_evicts_over_the_whole_conversation(smollm2_path):
         last = end1 + res2.prompt_tokens
         assert np.isin(np.r_[0:N_SINK, last - W:last], keep2).all() and keep2.max() == last - 1
         assert_turn_cache(eng, res2, keep2, last)
+
+
+def test_a_turn_runs_with_its_own_settings_and_the_engines_stay(evicting_engine):
+    """turn_settings(...) with overrides is a value the turn runs with: the engine's own settings are never
+    changed (nothing saved and put back), a refused override names its field, and the turn decides as an
+    engine with those settings would."""
+    eng = evicting_engine
+    eng.set_evictor("snapkv")
+    before = (eng.gate_mode, eng.budget, eng.evictor, eng.verify_tokens, eng.on_full)
+    prompt = needle_prompt(8, key="amber", value="3321907")
+    t = eng.turn_settings(gate="never", budget=0.5, evictor="tova", verify_tokens=8, on_full="refuse")
+    assert (t.gate_mode, t.budget, t.evictor.name, t.verify_tokens, t.on_full) == ("never", 0.5, "tova", 8, "refuse")
+    assert (eng.gate_mode, eng.budget, eng.evictor, eng.verify_tokens, eng.on_full) == before
+    seen = []
+    stream = eng.stream(prompt, max_tokens=2, settings=t)
+    for _ in stream:
+        seen.append((eng.gate_mode, eng.budget, eng.evictor))  # during the turn, too
+    d = stream.result.decision
+    assert d.gate_mode == "never" and not d.evicted and d.kept == d.T
+    assert set(seen) <= {before[:3]}
+    eng.reset()
+    assert eng.generate(prompt, max_tokens=2).decision.evicted  # the engine's own: always, a quarter
+    for kw, field in ((dict(gate="sometimes"), "gate"), (dict(evictor="nope"), "evictor"), (dict(budget=0.0), "budget"),
+                      (dict(verify_tokens=0), "verify_tokens"), (dict(on_full="drop"), "on_full"),
+                      (dict(evictor="lorekv-answer"), "evictor")):
+        with pytest.raises(ValueError) as e:
+            eng.turn_settings(**kw)
+        assert e.value.field == field, kw
+    assert (eng.gate_mode, eng.budget, eng.evictor, eng.verify_tokens, eng.on_full) == before
