@@ -165,8 +165,9 @@ def test_smolagents_tool_calling_agent(server):
     """An agent from PyPI (smolagents' ToolCallingAgent, over its OpenAI client) runs add, then ends with its
     own final_answer tool."""
     smolagents = pytest.importorskip("smolagents", reason="the test extra (smolagents) is not installed")
+    tool = smolagents.tool
 
-    @smolagents.tool
+    @tool
     def add(a: int, b: int) -> int:
         """Add two numbers and return the sum.
 
