@@ -54,10 +54,14 @@ def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module
-            out.append((node.lineno, target))
-            if target == "page_local":  # from page_local import gate: the submodules are the targets
-                out += [(node.lineno, f"page_local.{a.name}") for a in node.names
-                        if (PACKAGE / a.name).is_dir() or (PACKAGE / f"{a.name}.py").is_file()]
+            # from page_local.serve import ollama: the submodule is the target; a name defined in the
+            # package's __init__ (from page_local.engine import Engine): the package
+            where = PACKAGE.parent.joinpath(*target.split(".")) if target else None
+            subs = [a.name for a in node.names if where is not None
+                    and ((where / a.name).is_dir() or (where / f"{a.name}.py").is_file())]
+            if target == "page_local" or len(subs) < len(node.names):
+                out.append((node.lineno, target))
+            out += [(node.lineno, f"{target}.{name}") for name in subs]
     return out
 
 
@@ -119,3 +123,69 @@ def test_a_crossing_is_reported(source, module, expected):
 ], ids=["down", "down-two", "same-part"])
 def test_a_call_down_is_allowed(source, module):
     assert violations(source, module) == []
+
+
+# --- no circles inside a part either (issue 41: serve/ had two) ----------------------------------------
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the page_local modules it imports (module level and inside functions), packages resolved
+    to their __init__ where the target is a package."""
+    mods = {module_name(p): p for p in modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        targets = set()
+        for _, target in imports(path.read_text(encoding="utf-8"), name, path.name == "__init__.py"):
+            # `from page_local.serve.http import x`: the module; `from page_local.serve import http`: resolved
+            # by imports() to the submodule too
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """Inside a part too, calls go one way: a circle of imports (app -> ollama -> app) ties modules that should
+    stand one above the other. The package face (page_local/__init__.py, which imports lazily from every layer)
+    is left out."""
+    graph = {m: ts for m, ts in import_graph().items() if m != "page_local"}
+    assert circles(graph) == []
+
+
+def test_a_circle_is_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
