@@ -449,6 +449,7 @@ def test_a_turn_runs_with_its_own_settings_and_the_engines_stay(evicting_engine)
     assert (t.gate_mode, t.budget, t.evictor.name, t.verify_tokens, t.on_full) == ("never", 0.5, "tova", 8, "refuse")
     assert (eng.gate_mode, eng.budget, eng.evictor, eng.verify_tokens, eng.on_full) == before
     seen = []
+    eng.reset()  # a fresh conversation: T is this prompt alone
     stream = eng.stream(prompt, max_tokens=2, settings=t)
     for _ in stream:
         seen.append((eng.gate_mode, eng.budget, eng.evictor))  # during the turn, too

@@ -39,14 +39,17 @@ REL = 1e-5
 
 
 def cpu_class() -> str:
-    """The vector extension llama.cpp's CPU kernels use here: rows written on one class do not reproduce
-    on another (on an AMD EPYC Zen 1, AVX2 only, D moved by 1 % and a NLL by 5 % on the Xeon's rows)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return platform.machine().lower()
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine().lower()
+    """The vector extension llama.cpp's CPU kernels use here — what the loaded library was compiled for, not
+    what the CPU has (`make test-isa` runs AVX2 kernels on an AVX-512 CPU): rows written on one class do not
+    reproduce on another (on an AMD EPYC Zen 1, AVX2 only, D moved by 1 % and a NLL by 5 % on the Xeon's rows)."""
+    from page_local.native import pageops
+
+    info = pageops.llama_cpp().llama_print_system_info().decode()
+    if "AVX512 = 1" in info:
+        return "avx512"
+    if "AVX2 = 1" in info:
+        return "avx2"
+    return platform.machine().lower()
 
 
 # the committed rows of each CPU class; both were written with flash attention on and llama.cpp's own decode
