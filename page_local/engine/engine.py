@@ -36,7 +36,7 @@ from page_local import defaults
 from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
-from page_local.engine.room import ANSWER_ROOM, RoomMaker, check_on_full
+from page_local.engine.room import RoomMaker, answer_room, check_on_full
 from page_local.engine.selfcheck import AfterAnswer, SelfCheck
 from page_local.engine.settings import SettingError, TurnSettings
 from page_local.engine.transcript import Transcript
@@ -494,7 +494,7 @@ class Engine:
         # room kept for the answer when room is made: a normal answer's, not max_tokens' (never upfront: an
         # answer that grows past it makes room from earlier turns then); the verify modes also need the
         # candidate's copy of it
-        reserve = min(max_tokens, max(1, ctx.n_ctx // 4), ANSWER_ROOM)
+        reserve = answer_room(max_tokens, ctx.n_ctx)
         if t.verifies:  # one copy of the answer (search batches first chunks if room is left)
             reserve += min(max_tokens, t.verify_tokens) + 1
         start = len(self.history)  # where this message begins: an answer never evicts it to make room

@@ -127,6 +127,18 @@ def window_of(held: np.ndarray) -> np.ndarray:
     return held[max(start, held.size - W):]
 
 
+def answer_room(max_tokens: int, n_ctx: int) -> int:
+    """The room made for an answer before its message is read: a normal answer's, not max_tokens' (never
+    upfront: an answer that grows past it makes room from earlier turns then)."""
+    return min(max_tokens, max(1, n_ctx // 4), ANSWER_ROOM)
+
+
+def part_size(n_ctx: int, hard: int, answer: int) -> int:
+    """The parts a message longer than the context is read in: half of what room-making can free once the
+    `hard` cells that never go (sinks, system prompt, turn boundaries) and the answer's room are set aside."""
+    return max(W + 1, (n_ctx - 1 - answer - hard) // 2)
+
+
 def _chunks(toks: list[int], size: int) -> list[list[int]]:
     """toks in pieces of at most `size`, the last one full (it carries the question)."""
     head = len(toks) - size
@@ -216,7 +228,7 @@ class RoomMaker:
                 cap = n_ctx - 1 - answer  # cells for the conversation and this message before its answer
                 if hard + W + N_SINK + 4 > cap:
                     raise ContextFull(used, len(toks) + 1, n_ctx)
-                size = max(W + 1, (cap - hard) // 2)  # a part: half of what room-making can free
+                size = part_size(n_ctx, hard, answer)  # a part: half of what room-making can free
                 parts = _chunks(toks, size) if len(toks) > size else [toks]
             probe = None
             for part in parts[:-1]:

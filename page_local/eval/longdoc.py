@@ -55,8 +55,8 @@ from typing import Callable, Iterable, Sequence
 from page_local.chat.session import ChatSession
 from page_local.chat.template import ChatTemplate
 from page_local.engine.engine import Engine
-from page_local.engine.room import ANSWER_ROOM
-from page_local.engine.turn import N_SINK, W
+from page_local.engine.room import answer_room, part_size
+from page_local.engine.turn import N_SINK
 from page_local.eval.conversations import _document, _prose
 from page_local.eval.rows import read_rows
 from page_local.tasks import synthetic
@@ -156,9 +156,8 @@ def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
 
 def room_first_part(n_ctx: int, max_tokens: int) -> int:
     """The first part room-making reads of a message longer than the context, before it evicts anything
-    (RoomMaker.fit on an empty conversation: half of n_ctx - 1 less the answer's room)."""
-    reserve = min(max_tokens, max(1, n_ctx // 4), ANSWER_ROOM)
-    return max(W + 1, (n_ctx - 1 - reserve) // 2)
+    (RoomMaker.fit on an empty conversation: no cell is protected yet)."""
+    return part_size(n_ctx, 0, answer_room(max_tokens, n_ctx))
 
 
 def reading(policy: str, prompts: Sequence[Sequence[int]], n_ctx: int, max_tokens: int, n_keep: int) -> Reading:
