@@ -512,8 +512,7 @@ class Engine:
             lambda: self.room.for_answer(self.conv, dec, reserve, start, t.room_rules))
         sampler = self._sampler(sampling)
         loop = AnswerLoop(ctx, self.model, self.conv, sampler, max_tokens, self.room.pos_limit,
-                          logprobs=sampling.logprobs, check=check, room=room)
-        loop.logprobs = stream.logprobs  # the stream shows them as they come
+                          logprobs=sampling.logprobs, check=check, room=room, record=stream.logprobs)
         try:
             yield from loop
         finally:

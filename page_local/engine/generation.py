@@ -43,12 +43,13 @@ class AnswerLoop:
     out, when logprobs is set: token_logprobs' triple)."""
 
     def __init__(self, ctx, model, conv: Transcript, sampler, max_tokens: int, pos_limit: int,
-                 logprobs: int | None = None, check=None, room: Callable[[], bool] | None = None):
+                 logprobs: int | None = None, check=None, room: Callable[[], bool] | None = None,
+                 record: list | None = None):
         self.ctx, self.model, self.conv, self.sampler = ctx, model, conv, sampler
         self.max_tokens, self.pos_limit, self.n_logprobs = max_tokens, pos_limit, logprobs
         self.check, self.room = check, room
         self.out: list[int] = []
-        self.logprobs: list = []
+        self.logprobs: list = [] if record is None else record  # record: a list the caller reads as it grows
         self.finish = "length"
         self.seconds = 0.0
 
