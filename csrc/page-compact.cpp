@@ -11,6 +11,7 @@
 // sequence bits, extra info, pending shift) is moved with llama_kv_cells' own methods.
 
 #include "llama-page.h"
+#include "page-kv-access.h"
 #include "page-state.h"
 
 #include "llama-context.h"
@@ -51,12 +52,6 @@ struct move_plan {
     uint32_t              lo   = 0; // first empty cell: cells [0, lo) are used and stay
     uint32_t              hi   = 0; // one past the last used cell
     std::vector<uint32_t> src;      // the used cells >= lo, ascending; src[k] moves to lo + k
-};
-
-// K/V tensor bytes of one cache layer, as the cache lays them out (llama_kv_cache::get_k/get_v)
-struct layer_tensor {
-    ggml_tensor * t;
-    bool          trans; // V without flash attention: [kv_size, n_embd_v_gqa] per stream
 };
 
 // Move the used cells of one lane down: cell i of the lane lives at byte offset base + i*elem.
@@ -118,119 +113,53 @@ void pack_lanes_transposed(ggml_tensor * t, size_t base, size_t es, size_t strid
     }
 }
 
-} // namespace
-
-// page-local's access to llama_kv_cache's private state (a friend: see csrc/patches/02-cache-operations.patch)
-struct llama_page_kv_access {
-    // the plan for one stream of kv, or an error message if the cache cannot be compacted now
-    static std::string plan(llama_kv_cache & kv, uint32_t strm, move_plan & p) {
-        if (kv.other) {
-            return "this KV cache shares its cells with another cache; compaction is not supported for it";
-        }
-        if (!kv.sc_info.empty()) {
-            return "a cross-stream sequence copy is pending; run llama_decode once before compacting";
-        }
-        const llama_kv_cells & cells = kv.v_cells[strm];
-        p.kv   = &kv;
-        p.strm = strm;
-        p.hi   = cells.used_max_p1();
-        p.lo   = 0;
-        while (p.lo < p.hi && !cells.is_empty(p.lo)) {
-            ++p.lo;
-        }
-        for (uint32_t i = p.lo; i < p.hi; ++i) {
-            if (cells.is_empty(i)) {
-                continue;
-            }
-            // a pending shift (llama_memory_seq_add/div before the next decode) moves with the cell,
-            // re-created as upstream's seq_cp does: the position before the shift, then the shift
-            if (cells.pos_get(i) - cells.get_shift(i) < 0) {
-                return "cell " + std::to_string(i) + " has a pending position shift (llama_memory_seq_div) that cannot be moved; "
-                       "run llama_decode once before compacting";
-            }
+// the plan for one stream of kv, or an error message if the cache cannot be compacted now
+std::string plan(llama_kv_cache & kv, uint32_t strm, move_plan & p) {
+    if (std::string err = llama_page_kv_access::why_not_movable(kv); !err.empty()) {
+        return err;
+    }
+    const llama_kv_cells & cells = llama_page_kv_access::cells(kv, strm);
+    p.kv   = &kv;
+    p.strm = strm;
+    p.hi   = cells.used_max_p1();
+    p.lo   = 0;
+    while (p.lo < p.hi && !cells.is_empty(p.lo)) {
+        ++p.lo;
+    }
+    std::vector<std::pair<uint32_t, uint32_t>> moves;
+    for (uint32_t i = p.lo; i < p.hi; ++i) {
+        if (!cells.is_empty(i)) {
+            moves.emplace_back(i, p.lo + (uint32_t) p.src.size());
             p.src.push_back(i);
         }
-        return "";
     }
+    return page_check_shifts(cells, moves);
+}
 
-    // the distinct K and V tensors of kv (layers that reuse or share another layer's tensors appear once)
-    static std::vector<layer_tensor> tensors(const llama_kv_cache & kv) {
-        std::vector<layer_tensor> res;
-        std::set<const ggml_tensor *> seen;
-        for (const auto & layer : kv.layers) {
-            if (layer.k && seen.insert(layer.k).second) {
-                res.push_back({ layer.k, false });
-            }
-            if (layer.v && seen.insert(layer.v).second) { // no V tensor: MLA
-                res.push_back({ layer.v, kv.v_trans });
-            }
-        }
-        return res;
-    }
-
-    // an error message if a K/V tensor is not laid out as llama_kv_cache::get_k/get_v read it
-    static std::string check_tensors(const llama_kv_cache & kv) {
-        for (const auto & lt : tensors(kv)) {
-            const ggml_tensor * t = lt.t;
-            if (t->ne[1] != (int64_t) kv.get_size() || t->ne[2] != (int64_t) kv.get_n_stream() ||
-                t->nb[1] != ggml_row_size(t->type, t->ne[0]) || (lt.trans && ggml_blck_size(t->type) != 1)) {
-                return std::string("KV tensor ") + t->name + " has a layout compaction does not know";
-            }
-        }
-        return "";
-    }
-
-    // move the K/V bytes of every layer
-    static void move_data(const move_plan & p, std::vector<uint8_t> & buf) {
-        const llama_kv_cache & kv = *p.kv;
-        for (const auto & lt : tensors(kv)) {
-            ggml_tensor * t = lt.t;
-            const size_t base = (size_t) p.strm * t->nb[2];
-            if (lt.trans) {
-                const size_t es = ggml_type_size(t->type);
-                pack_lanes_transposed(t, base, es, (size_t) kv.get_size() * es, t->ne[0], p, buf);
-            } else {
-                pack_lane(t, base, t->nb[1], p, buf);
-            }
+// move the K/V bytes of every layer
+void move_data(const move_plan & p, std::vector<uint8_t> & buf) {
+    const llama_kv_cache & kv = *p.kv;
+    for (const auto & lt : llama_page_kv_access::tensors(kv)) {
+        ggml_tensor * t = lt.t;
+        const size_t base = (size_t) p.strm * t->nb[2];
+        if (lt.trans) {
+            const size_t es = ggml_type_size(t->type);
+            pack_lanes_transposed(t, base, es, (size_t) kv.get_size() * es, t->ne[0], p, buf);
+        } else {
+            pack_lane(t, base, t->nb[1], p, buf);
         }
     }
+}
 
-    // move the cells' metadata with llama_kv_cells' methods and put the search head after them
-    static void move_cells(const move_plan & p) {
-        llama_kv_cache & kv = *p.kv;
-        llama_kv_cells & cells = kv.v_cells[p.strm];
-        for (size_t k = 0; k < p.src.size(); ++k) {
-            const uint32_t src = p.src[k];
-            const uint32_t dst = p.lo + (uint32_t) k; // empty: a hole, or a source moved before
-            const llama_pos               pos   = cells.pos_get(src);
-            const llama_pos               shift = cells.get_shift(src);
-            const llama_kv_cell_ext       ext   = cells.ext_get(src);
-            const llama_kv_cells::seq_set_t seqs = cells.seq_get_all(src);
-
-            cells.rm(src);
-            cells.pos_set(dst, pos - shift);
-            for (llama_seq_id s = 0; s < LLAMA_MAX_SEQ; ++s) {
-                if (seqs.test(s)) {
-                    cells.seq_add(dst, s);
-                }
-            }
-            if (shift != 0) {
-                cells.pos_add(dst, shift);
-            }
-            cells.ext_set(dst, ext);
-        }
-        const uint32_t n_used = p.lo + (uint32_t) p.src.size();
-        kv.v_heads[p.strm] = n_used < cells.size() ? n_used : 0;
+size_t max_row_bytes(const llama_kv_cache & kv) {
+    size_t res = 0;
+    for (const auto & lt : llama_page_kv_access::tensors(kv)) {
+        res = std::max(res, lt.trans ? ggml_type_size(lt.t->type) : lt.t->nb[1]);
     }
+    return res;
+}
 
-    static size_t max_row_bytes(const llama_kv_cache & kv) {
-        size_t res = 0;
-        for (const auto & lt : tensors(kv)) {
-            res = std::max(res, lt.trans ? ggml_type_size(lt.t->type) : lt.t->nb[1]);
-        }
-        return res;
-    }
-};
+} // namespace
 
 int32_t llama_page_compact(llama_context * ctx, llama_seq_id seq_id) {
     page_set_error("");
@@ -240,30 +169,20 @@ int32_t llama_page_compact(llama_context * ctx, llama_seq_id seq_id) {
     bool moved = false;
     try {
         // the caches to compact: the plain one, or both halves of an iSWA cache
-        std::vector<llama_kv_cache *> caches;
-        llama_memory_i * mem = ctx->get_memory();
-        if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
-            caches.push_back(kv);
-        } else if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
-            caches.push_back(iswa->get_base());
-            caches.push_back(iswa->get_swa());
-        }
+        const std::vector<llama_kv_cache *> caches = page_caches(ctx);
 
         // plan everything and allocate the staging buffer before anything is touched
         std::vector<move_plan> plans;
         size_t row_max = 0;
         for (llama_kv_cache * kv : caches) {
             move_plan p;
-            std::string err = llama_page_kv_access::plan(*kv, kv->get_stream(seq_id), p);
-            if (err.empty()) {
-                err = llama_page_kv_access::check_tensors(*kv);
-            }
+            const std::string err = plan(*kv, kv->get_stream(seq_id), p);
             if (!err.empty()) {
                 page_set_error("compact: " + err + "; nothing was changed");
                 return LLAMA_PAGE_ERR_UNSUPPORTED;
             }
             if (!p.src.empty()) { // else already compact: a no-op
-                row_max = std::max(row_max, llama_page_kv_access::max_row_bytes(*kv));
+                row_max = std::max(row_max, max_row_bytes(*kv));
                 plans.push_back(std::move(p));
             }
         }
@@ -275,8 +194,14 @@ int32_t llama_page_compact(llama_context * ctx, llama_seq_id seq_id) {
         llama_synchronize(ctx); // no decode may still be writing the cache
         moved = true;
         for (const move_plan & p : plans) {
-            llama_page_kv_access::move_data(p, buf);
-            llama_page_kv_access::move_cells(p);
+            move_data(p, buf);
+            std::vector<std::pair<uint32_t, uint32_t>> moves;
+            for (size_t k = 0; k < p.src.size(); ++k) {
+                moves.emplace_back(p.src[k], p.lo + (uint32_t) k);
+            }
+            page_move_metadata(*p.kv, p.strm, moves);
+            const uint32_t n_used = p.lo + (uint32_t) p.src.size();
+            llama_page_kv_access::set_head(*p.kv, p.strm, n_used);
         }
         return LLAMA_PAGE_OK;
     } catch (const std::exception & e) {

@@ -7,6 +7,7 @@
 
 #include "llama-context.h"
 #include "llama-kv-cache.h"
+#include "llama-model.h"
 #include "llama-kv-cache-iswa.h"
 
 #include <algorithm>
@@ -17,8 +18,9 @@ namespace {
 
 thread_local std::string tl_error;
 
-// ascending positions held by seq_id in the cache that holds every position
-std::vector<llama_pos> seq_positions(const llama_context * ctx, llama_seq_id seq_id) {
+} // namespace
+
+std::vector<llama_pos> page_seq_positions(const llama_context * ctx, llama_seq_id seq_id) {
     std::vector<llama_pos> res;
     const llama_kv_cache * kv = page_layer_cache(ctx, -1);
     for (const auto & pc : kv->get_cells(seq_id).seq_pos_get(seq_id)) {
@@ -27,7 +29,42 @@ std::vector<llama_pos> seq_positions(const llama_context * ctx, llama_seq_id seq
     return res;
 }
 
-} // namespace
+int32_t page_check_positions(const std::vector<llama_pos> & held, const std::vector<llama_pos> & chosen, llama_seq_id seq_id) {
+    for (size_t i = 0; i < chosen.size(); ++i) {
+        if (i > 0 && chosen[i] == chosen[i - 1]) {
+            page_set_error("position " + std::to_string(chosen[i]) + " is given twice");
+            return LLAMA_PAGE_ERR_POSITIONS;
+        }
+        if (!std::binary_search(held.begin(), held.end(), chosen[i])) {
+            page_set_error("position " + std::to_string(chosen[i]) + " is not in sequence " + std::to_string(seq_id) +
+                           (held.empty() ? std::string(" (the sequence is empty)")
+                                         : " (it holds " + std::to_string(held.size()) + " positions in [" +
+                                           std::to_string(held.front()) + ", " + std::to_string(held.back()) + "])"));
+            return LLAMA_PAGE_ERR_POSITIONS;
+        }
+    }
+    return LLAMA_PAGE_OK;
+}
+
+std::vector<std::pair<llama_pos, llama_pos>> page_position_runs(const std::vector<llama_pos> & held, const std::vector<llama_pos> & chosen) {
+    // holes between held positions do not split a run, so the number of runs is minimal
+    std::vector<std::pair<llama_pos, llama_pos>> runs;
+    size_t j = 0; // next chosen position
+    size_t i = 0;
+    while (i < held.size() && j < chosen.size()) {
+        if (held[i] != chosen[j]) {
+            ++i;
+            continue;
+        }
+        const llama_pos p0 = held[i];
+        while (i < held.size() && j < chosen.size() && held[i] == chosen[j]) {
+            ++i;
+            ++j;
+        }
+        runs.emplace_back(p0, held[i - 1] + 1);
+    }
+    return runs;
+}
 
 void page_set_error(const std::string & msg) {
     tl_error = msg;
@@ -43,6 +80,17 @@ const llama_kv_cache * page_layer_cache(const llama_context * ctx, int il) {
         return swa ? iswa->get_swa() : iswa->get_base();
     }
     return nullptr;
+}
+
+std::vector<llama_kv_cache *> page_caches(llama_context * ctx) {
+    llama_memory_i * mem = ctx->get_memory();
+    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        return { kv };
+    }
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        return { iswa->get_base(), iswa->get_swa() };
+    }
+    return {};
 }
 
 int32_t page_check_seq(const llama_context * ctx, llama_seq_id seq_id) {
@@ -77,7 +125,7 @@ int32_t llama_page_seq_positions(const llama_context * ctx, llama_seq_id seq_id,
         return rc;
     }
     try {
-        const std::vector<llama_pos> pos = seq_positions(ctx, seq_id);
+        const std::vector<llama_pos> pos = page_seq_positions(ctx, seq_id);
         std::copy_n(pos.begin(), std::min<size_t>(pos.size(), (size_t) n), out);
         return (int32_t) pos.size();
     } catch (const std::exception & e) {
@@ -103,40 +151,13 @@ int32_t llama_page_evict(llama_context * ctx, llama_seq_id seq_id, const llama_p
         std::sort(evict.begin(), evict.end());
 
         // validate everything before touching the cache
-        const std::vector<llama_pos> held = seq_positions(ctx, seq_id);
-        for (size_t i = 0; i < evict.size(); ++i) {
-            if (i > 0 && evict[i] == evict[i - 1]) {
-                page_set_error("position " + std::to_string(evict[i]) + " is given twice");
-                return LLAMA_PAGE_ERR_POSITIONS;
-            }
-            if (!std::binary_search(held.begin(), held.end(), evict[i])) {
-                page_set_error("position " + std::to_string(evict[i]) + " is not in sequence " + std::to_string(seq_id) +
-                               (held.empty() ? std::string(" (the sequence is empty)")
-                                             : " (it holds " + std::to_string(held.size()) + " positions in [" +
-                                               std::to_string(held.front()) + ", " + std::to_string(held.back()) + "])"));
-                return LLAMA_PAGE_ERR_POSITIONS;
-            }
+        const std::vector<llama_pos> held = page_seq_positions(ctx, seq_id);
+        if (int32_t rc = page_check_positions(held, evict, seq_id); rc != LLAMA_PAGE_OK) {
+            return rc;
         }
-
-        // one llama_memory_seq_rm per maximal run of held positions that are all evicted:
-        // holes between held positions do not split a run, so the number of calls is minimal
+        // one llama_memory_seq_rm per maximal run of held positions that are all evicted
         llama_memory_t mem = llama_get_memory(ctx);
-        size_t j = 0; // next evicted position
-        size_t i = 0;
-        while (i < held.size()) {
-            if (j >= evict.size()) {
-                break;
-            }
-            if (held[i] != evict[j]) {
-                ++i;
-                continue;
-            }
-            const llama_pos p0 = held[i];
-            while (i < held.size() && j < evict.size() && held[i] == evict[j]) {
-                ++i;
-                ++j;
-            }
-            const llama_pos p1 = held[i - 1] + 1;
+        for (const auto & [p0, p1] : page_position_runs(held, evict)) {
             if (!llama_memory_seq_rm(mem, seq_id, p0, p1)) {
                 page_set_error("internal: llama_memory_seq_rm refused [" + std::to_string(p0) + ", " + std::to_string(p1) + ")");
                 return LLAMA_PAGE_ERR_INTERNAL;

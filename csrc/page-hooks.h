@@ -30,3 +30,10 @@ void llama_page_probe_attn(ggml_context * ctx0, ggml_cgraph * gf,
 
 // ~llama_context(): drop the page-local state of this context.
 void llama_page_context_free(llama_context * ctx);
+
+// llama_kv_cache::get_n_kv() (csrc/patches/02): one past the last cell of a stream that the attention must
+// cover — the highest cell any sequence other than a parking sequence holds (page-park.cpp); cells held only by
+// parking sequences above it are never attended. Without parked cells: cells.used_max_p1().
+class llama_kv_cache;
+class llama_kv_cells;
+uint32_t llama_page_attended_p1(const llama_kv_cache * kv, const llama_kv_cells & cells);

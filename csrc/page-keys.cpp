@@ -7,6 +7,7 @@
 
 #include "llama-context.h"
 #include "llama-kv-cache.h"
+#include "llama-model.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"

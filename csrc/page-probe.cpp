@@ -664,6 +664,7 @@ void llama_page_decode_end(llama_context * ctx, int32_t ret) {
 }
 
 void llama_page_context_free(llama_context * ctx) {
+    page_park_forget(ctx);
     std::lock_guard<std::mutex> lock(g_mutex);
     if (g_states.erase(ctx) > 0) {
         g_n_states.fetch_sub(1);

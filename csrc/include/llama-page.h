@@ -146,6 +146,35 @@ LLAMA_API int32_t llama_page_key_norms(const struct llama_context * ctx, llama_s
 // Do not call it while another thread decodes on ctx.
 LLAMA_API int32_t llama_page_compact(struct llama_context * ctx, llama_seq_id seq_id);
 
+// --- parking: cells that leave a sequence's attention without leaving memory ---------------------------------
+// Park exactly the given positions of seq_id: their cells stay in the cache with their K and V, held by park_seq
+// instead of seq_id, so seq_id's attention no longer sees them (a cell seq_id shares with another sequence stays
+// that sequence's too). park_seq becomes a parking sequence of this context: the attended range (n_kv) ends at the
+// last cell held by any other sequence, so cells held only by parking sequences above it cost a decode nothing.
+// Never decode a batch of a parking sequence itself. Then the cells are laid out, moving as few as possible, as
+//     [cells of every other sequence, packed from cell 0][at least gap free cells][parked cells][free cells]
+// where the parked cells start at a multiple of the attended range's rounding (256 cells), so that a decode of
+// seq_id attends over exactly what it would after llama_page_evict + llama_page_compact and never reads a parked
+// cell, not even masked (when they do not fit there, they sit as high as they fit). The next tokens go right after
+// seq_id's cells; once the gap is full, past the parked cells (correct: the attended range grows to cover them).
+// Positions as for llama_page_evict (held by seq_id, no duplicates; else LLAMA_PAGE_ERR_POSITIONS and nothing
+// changed); n == 0 only lays the cells out. The gap shrinks to the free cells there are. Parked cells keep their
+// positions: they are dropped for good with llama_page_evict(ctx, park_seq, ...) and listed by
+// llama_page_seq_positions(ctx, park_seq, ...). Same conditions as llama_page_compact (LLAMA_PAGE_ERR_UNSUPPORTED).
+LLAMA_API int32_t llama_page_park(struct llama_context * ctx, llama_seq_id seq_id, llama_seq_id park_seq,
+                                  const llama_pos * positions, int32_t n, int32_t gap);
+
+// Return the given positions of park_seq to seq_id, in place (no data moves: the attended range grows to cover
+// them); positions == NULL and n < 0: all of them. Each must be held by park_seq and not by seq_id, else
+// LLAMA_PAGE_ERR_POSITIONS and nothing changed. Once park_seq holds nothing it is an ordinary sequence again.
+// Next-token outputs equal those before parking up to float rounding (the cells may sit in another order).
+LLAMA_API int32_t llama_page_restore(struct llama_context * ctx, llama_seq_id seq_id, llama_seq_id park_seq,
+                                     const llama_pos * positions, int32_t n);
+
+// For tests: overwrite the K and V bytes of seq_id's cells at the given positions with 0xFF (NaN in f32, f16 and
+// bf16, and in the block scales of quantized types), so that any decode that reads them outputs NaN.
+LLAMA_API int32_t llama_page_debug_poison(struct llama_context * ctx, llama_seq_id seq_id, const llama_pos * positions, int32_t n);
+
 // Message of the last failure on this thread ("" if none). Valid until the next llama_page_* call.
 LLAMA_API const char * llama_page_last_error(void);
 

@@ -153,13 +153,36 @@ class PageOps:
 
     def evict(self, seq_id: int, positions) -> None:
         """Remove exactly `positions` from seq_id in one call (InvalidPositions: nothing changed)."""
-        arr = np.asarray(positions)
-        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-            raise InvalidPositions(f"positions must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
-        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-            raise InvalidPositions("positions must fit in int32")
-        arr = np.ascontiguousarray(arr, dtype=np.int32)
+        arr = _positions(positions)
         self._check(self._lib.llama_page_evict(self._ctx, int(seq_id), _ptr(self._ffi, "llama_pos *", arr), arr.size))
+
+    # --- parking -----------------------------------------------------------------------------
+    def park(self, seq_id: int, park_seq: int, positions, gap: int = 0) -> None:
+        """Move exactly `positions` of seq_id to park_seq: the cells stay in memory, leave seq_id's attention and
+        are laid out past seq_id's cells and `gap` free cells, so a decode of seq_id attends over its own cells
+        only (InvalidPositions: nothing changed). Never decode on park_seq."""
+        arr = _positions(positions)
+        self._check(self._lib.llama_page_park(self._ctx, int(seq_id), int(park_seq), _ptr(self._ffi, "llama_pos *", arr),
+                                              arr.size, int(gap)))
+
+    def restore(self, seq_id: int, park_seq: int, positions=None) -> None:
+        """Return parked positions (all when None) to seq_id, in place: one call, no data moved."""
+        if positions is None:
+            self._check(self._lib.llama_page_restore(self._ctx, int(seq_id), int(park_seq), self._ffi.NULL, -1))
+            return
+        arr = _positions(positions)
+        self._check(self._lib.llama_page_restore(self._ctx, int(seq_id), int(park_seq), _ptr(self._ffi, "llama_pos *", arr),
+                                                 arr.size))
+
+    def parked(self, park_seq: int) -> np.ndarray:
+        """i32 (n,) positions parked under park_seq, ascending."""
+        return self.positions(park_seq)
+
+    def debug_poison(self, seq_id: int, positions) -> None:
+        """For tests: overwrite the K and V bytes of seq_id's cells at `positions` with NaN, so that a decode that
+        reads them outputs NaN."""
+        arr = _positions(positions)
+        self._check(self._lib.llama_page_debug_poison(self._ctx, int(seq_id), _ptr(self._ffi, "llama_pos *", arr), arr.size))
 
     def key_norms(self, seq_id: int, n_layer: int, n_head_kv: int) -> np.ndarray:
         """f32 (n_layer, n_head_kv, n_pos): L2 norms of the cached keys, columns = positions(seq_id)."""
@@ -172,6 +195,15 @@ class PageOps:
         """Move every used cell of seq_id's KV stream down to the lowest cells, in place and in order
         (shared cells stay shared), so the attended range shrinks; positions and outputs are unchanged."""
         self._check(self._lib.llama_page_compact(self._ctx, int(seq_id)))
+
+
+def _positions(positions) -> np.ndarray:
+    arr = np.asarray(positions)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidPositions(f"positions must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise InvalidPositions("positions must fit in int32")
+    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def _ptr(ffi, ctype: str, arr: np.ndarray):
