@@ -222,8 +222,10 @@ BENCHES = {
                 "evict_ms", "compact_ms", "full_runs", "evicted_runs", "device", "attention", "stock_paths",
                 "stock_source", "ttft_s", "stock_default_tok_s", "stock_best_tok_s", "stock_default_ttft_s",
                 "stock_best_ttft_s", "full_vs_stock_best", "evicted_vs_stock_best", "evicted_vs_stock_default",
-                "ttft_vs_stock_best", "ttft_vs_stock_default", "same_full_tokens_as_stock"},
+                "ttft_vs_stock_best", "ttft_vs_stock_default", "same_full_tokens_as_stock", "parked_tok_s",
+                "parked_vs_evicted", "park_ms", "parked_runs"},
                lambda r: r["kept"] < r["tokens"] <= 160 and r["new_tokens"] == 2 and len(r["full_runs"]) == 1
+               and len(r["parked_runs"]) == 1 and r["parked_tok_s"] > 0
                and r["gate_ms"] > 0 and set(r["stock_paths"]) == {"on", "off"}
                and "llama.cpp's attention kernels" in r["stock_source"]  # no peer build: tests set no PEER_BIN
                and r["stock_default_tok_s"] == r["stock_paths"]["on"]["decode_tok_s"]

@@ -197,7 +197,7 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
     snapkv = get_evictor("snapkv")
     gate = Gate("page")
     with Context(model, ContextConfig(n_ctx=n_ctx, threads=threads, allow_long_context=True, flash_attn=flash_attn,
-                                      type_kv=cache_type)) as ctx:
+                                      type_kv=cache_type, n_seq_max=2)) as ctx:
         device = ctx.placement()
         pipe = Pipeline(ctx, model)
         ctx.decode(prompt[:1], 0, 0)  # warm-up: the weights' pages are read in before anything is timed
@@ -232,11 +232,12 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
                     record.append(tok)
             return new_tokens / (time.perf_counter() - r0)
 
-        # three configurations, alternated: full cache; evicted as the engine does it (evict, compact,
-        # re-decode the last prompt token); evicted without compaction (holes left in place)
-        modes = ("full", "evicted", "evicted_nocompact") if evict else ("full",)
+        # four configurations, alternated: full cache; evicted as the engine does it (evict, compact,
+        # re-decode the last prompt token); parked (the same cells leave the attention but stay in memory,
+        # under sequence 1, past the attended range); evicted without compaction (holes left in place)
+        modes = ("full", "evicted", "parked", "evicted_nocompact") if evict else ("full",)
         runs: dict[str, list[float]] = {m: [] for m in modes}
-        restore_ms, evict_ms, compact_ms, kept = [], [], [], tokens
+        restore_ms, evict_ms, compact_ms, park_ms, kept = [], [], [], [], tokens
         for i in range(len(modes) * repeats):
             mode = modes[i % len(modes)]
             ctx.clear()
@@ -246,9 +247,12 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
             if mode != "full":
                 e0 = time.perf_counter()
                 keep = pipe.select(snapkv, pre, B, {}, seed)
-                c_ms = pipe.evict_in_place(0, keep, pre.held, tokens - 1, prompt[-1], compact=mode == "evicted")
+                c_ms = pipe.evict_in_place(0, keep, pre.held, tokens - 1, prompt[-1], compact=mode == "evicted",
+                                           park=1 if mode == "parked" else None, gap=new_tokens)
                 if mode == "evicted":
                     compact_ms.append(c_ms)
+                elif mode == "parked":
+                    park_ms.append(c_ms)
                 evict_ms.append((time.perf_counter() - e0) * 1e3)
                 kept = ctx.cells_used(0)
             runs[mode].append(decode_run(full_tokens if mode == "full" and not full_tokens else None))
@@ -267,6 +271,9 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
             "evicted_nocompact_tok_s": round(ev_nc, 2),
             "speedup_nocompact": round(ev_nc / full, 4),
             "compact_ms": round(statistics.median(compact_ms), 2),
+            "parked_tok_s": round(statistics.median(runs["parked"]), 2),
+            "parked_vs_evicted": round(statistics.median(runs["parked"]) / ev, 4),
+            "park_ms": round(statistics.median(park_ms), 2),
             "gate_ms": round(statistics.median(gate_ms), 3),
             "gate_target_ms": 2.0,
             "state_save_ms": round(save_ms, 2),
@@ -274,6 +281,7 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
             "evict_ms": round(statistics.median(evict_ms), 2),
             "evicted_runs": [round(t, 2) for t in runs["evicted"]],
             "evicted_nocompact_runs": [round(t, 2) for t in runs["evicted_nocompact"]],
+            "parked_runs": [round(t, 2) for t in runs["parked"]],
         })
     return out
 

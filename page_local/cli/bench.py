@@ -75,8 +75,8 @@ def bench_probe(model, tokens, repeats, threads, as_json, **load):
 @attention_options
 @json_option()
 def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, as_json, **load):
-    """TTFT and decode tok/s: page-local (full cache, evicted to the budget) beside stock llama.cpp's default
-    and best configuration."""
+    """TTFT and decode tok/s: page-local (full cache, evicted to the budget, parked to the budget) beside stock
+    llama.cpp's default and best configuration."""
     from page_local.bench.speed import decode_speedup
     from page_local.native.runtime import describe_placement
 
@@ -87,7 +87,9 @@ def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, 
            lambda r: f"{r['tokens']}-token prompt, {new_tokens} new tokens, medians of {repeats}; page-local: flash "
                      f"attention {r['attention']['flash_attn']} ({r['attention']['source']}), TTFT "
                      f"{r['ttft_s']:.2f} s, full cache {r['full_tok_s']:.1f} tok/s, evicted to {r['kept']} "
-                     f"{r['evicted_tok_s']:.1f} tok/s.\nStock llama.cpp ({r['stock_source']}): default (flash "
+                     f"{r['evicted_tok_s']:.1f} tok/s, parked to {r['kept']} {r['parked_tok_s']:.1f} tok/s "
+                     f"({r['parked_vs_evicted']:.2f}x evicted; parking {r['park_ms']:.1f} ms, compaction "
+                     f"{r['compact_ms']:.1f} ms).\nStock llama.cpp ({r['stock_source']}): default (flash "
                      f"attention on) TTFT {r['stock_default_ttft_s']:.2f} s, {r['stock_default_tok_s']:.1f} tok/s; "
                      f"best TTFT {r['stock_best_ttft_s']:.2f} s (flash attention {r['stock_best_ttft_flash_attn']}), "
                      f"best decode {r['stock_best_tok_s']:.1f} tok/s (flash attention {r['stock_best_flash_attn']}).\n"

@@ -218,17 +218,25 @@ class Pipeline:
 
     # --- eviction ----------------------------------------------------------------------------------
     def evict_in_place(self, seq: int, keep: np.ndarray, held: np.ndarray, last_pos: int, last_tok: int,
-                       compact: bool = True) -> float:
+                       compact: bool = True, park: int | None = None, gap: int = 0) -> float:
         """Evict held \\ keep from seq and decode its last prompt token again, so that the next sampled
         token already sees the compressed cache. compact: move the cells down first (llama.cpp attends
         over every cell up to the highest used one: holes would decode as slowly as the full cache).
-        Returns the compaction's milliseconds."""
+        park: park them under that sequence instead (they stay in memory, out of the attended range, with
+        `gap` free cells after the held ones for the answer). Returns the compaction's (or parking's)
+        milliseconds."""
         ctx = self.ctx
-        ctx.page.evict(seq, np.setdiff1d(held, keep, assume_unique=True))
+        drop = np.setdiff1d(held, keep, assume_unique=True)
+        drop = drop[drop != last_pos]
         ctx.seq_rm(seq, last_pos, last_pos + 1)
         c0 = time.perf_counter()
-        if compact:
-            ctx.page.compact(seq)
+        if park is not None:
+            ctx.page.park(seq, park, drop, gap)
+        else:
+            ctx.page.evict(seq, drop)
+            c0 = time.perf_counter()
+            if compact:
+                ctx.page.compact(seq)
         compact_ms = (time.perf_counter() - c0) * 1e3
         ctx.decode([last_tok], last_pos, seq)
         return compact_ms
