@@ -56,6 +56,10 @@ class Decision:
     gaps_closed: int = 0  # positions the cells moved down to stay inside the trained context
     room_ranking: str | None = None  # what ranked the cells evicted to make room: question | recent (room.py)
     room_probe_ms: float = 0.0  # decoding the message's last W tokens to rank them (W per eviction), ms
+    # parking (engine/parking.py): cells the speed budget took out of the attention, kept in memory
+    parked: int = 0  # cells parked after this turn's decision
+    restored: int = 0  # parked cells that came back before this message was read (every one the cache could hold)
+    park_dropped: int = 0  # parked cells that went for good before this message (the cache was full)
 
     def to_dict(self) -> dict:
         return asdict(self)

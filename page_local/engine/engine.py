@@ -36,6 +36,7 @@ from page_local import defaults
 from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
+from page_local.engine.parking import N_SEQ, PARK_FROM, PARK_SEQ, Parking
 from page_local.engine.room import RoomMaker, answer_room, check_on_full
 from page_local.engine.selfcheck import AfterAnswer, SelfCheck
 from page_local.engine.settings import SettingError, TurnSettings
@@ -44,7 +45,6 @@ from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, Pipeline, supported
 from page_local.errors import ContextFull, EngineBusy, StateFileError
 from page_local.evictors import get_evictor
 from page_local.evictors.base import resolve_budget
-from page_local.evictors.lorekv import MAX_FUTURES
 from page_local.gate import BASE_MODE, SEARCH_MODES, VERIFY_MODES, Gate, check_gate_mode
 from page_local.native.runtime import Context, ContextConfig, Model
 from page_local.native.sampler import make_sampler
@@ -99,7 +99,8 @@ class Engine:
                  n_gpu_layers: int | str | None = None, allow_long_context: bool = False,
                  on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
                  tune_progress=None, n_batch: int = 512,
-                 attention_settings: attention.AttentionSettings | None = None, type_kv: str | None = None):
+                 attention_settings: attention.AttentionSettings | None = None, type_kv: str | None = None,
+                 park: bool = False, park_from: int = PARK_FROM):
         """model: a GGUF path, None for the embedded default, or a loaded native Model that several engines
         share (a server's slots: one copy of the weights). A shared Model is borrowed: close() leaves it to
         its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own.
@@ -110,7 +111,8 @@ class Engine:
         (type_kv: its older name, still accepted); each None = $PAGE_LOCAL_FLASH_ATTN / $PAGE_LOCAL_CACHE_TYPE,
         else auto / f16. Or attention_settings: both as one attention.AttentionSettings, already resolved (the
         CLI's); the environment is then not read. rpc: HOST:PORT of ggml-rpc-servers whose devices take
-        offloaded layers (None = $PAGE_LOCAL_RPC, () = none)."""
+        offloaded layers (None = $PAGE_LOCAL_RPC, () = none). park: evict for speed by parking (engine/parking.py:
+        the cells stay in memory and each message chooses again), from park_from cells on."""
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < MIN_BATCH:
             raise ValueError(f"n_batch must be an int of at least {MIN_BATCH}, got {n_batch!r}")
         shared = model if isinstance(model, Model) else None
@@ -123,6 +125,7 @@ class Engine:
         self.on_full = check_on_full(on_full)
         self.n_keep = 0  # positions below it are never evicted to make room (ChatSession: the system prompt)
         self.set_budget(budget)
+        self.set_park(park, park_from)
         self.set_ladder(ladder)
         self._evictor = supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = check_gate_mode(gate)  # validates the mode before loading anything
@@ -147,7 +150,7 @@ class Engine:
             self.ctx = Context(self.model, ContextConfig(n_ctx=n_ctx, threads=threads, n_batch=n_batch,
                                                          n_ubatch=min(n_batch, ContextConfig.n_ubatch),
                                                          flash_attn=self.attention.flash_attn,
-                                                         type_kv=self.attention.cache_type, n_seq_max=1 + MAX_FUTURES,
+                                                         type_kv=self.attention.cache_type, n_seq_max=N_SEQ,
                                                          allow_long_context=allow_long_context))
         except Exception:
             if self._owns_model:
@@ -164,12 +167,20 @@ class Engine:
         self.conv = Transcript()  # the conversation's tokens, their positions, what room-making evicted
         self.pipeline = Pipeline(self.ctx, self.model)  # the turn's steps (turn.py), shared with eval and bench
         self.room = RoomMaker(self.ctx, self.model, self.pipeline)  # room on demand (room.py)
+        self.parking = Parking(self.ctx)  # cells the speed budget parked (parking.py)
         self._progress_fn = None  # set_progress
 
     # --- settings ----------------------------------------------------------------------------
     def set_budget(self, budget: float | int) -> None:
         resolve_budget(budget, 10_000, W, N_SINK)  # validates (ratio or absolute) before use
         self.budget = budget
+
+    def set_park(self, park: bool, park_from: int = PARK_FROM) -> None:
+        """park: the speed budget parks cells (they stay in memory, out of the attention, and each message chooses
+        again) instead of evicting them for good; below park_from cells the full cache is kept."""
+        if isinstance(park_from, bool) or not isinstance(park_from, int) or park_from < 0:
+            raise ValueError(f"park_from must be an int >= 0, got {park_from!r}")
+        self.park, self.park_from = bool(park), park_from
 
     def set_ladder(self, ladder) -> None:
         """The budgets gate mode 'search' tries (ratios of the conversation or cell counts), e.g. the
@@ -256,14 +267,18 @@ class Engine:
                 self.reset()
                 return
             if n_tokens < len(self.history):
+                self.parking.unpark(self.conv, 0)  # the tail's parked cells go with it, the others are held again
                 self.ctx.seq_rm(0, self.conv.pos[n_tokens], -1)
             self.conv.truncate(n_tokens)
 
     def snapshot(self) -> Snapshot:
         """The conversation's cache and token history, copied to host memory (see restore)."""
+        parked = sorted(self.parking.scores)
         return Snapshot(model_id=self.model_id, n_ctx=self.n_ctx, history=tuple(self.history),
                         positions=tuple(int(p) for p in self.ctx.page.positions(0)), state=self.ctx.seq_state(0),
-                        history_pos=None if self.conv.pos == list(range(len(self.conv.pos))) else tuple(self.conv.pos))
+                        history_pos=None if self.conv.pos == list(range(len(self.conv.pos))) else tuple(self.conv.pos),
+                        parked_state=self.ctx.seq_state(PARK_SEQ) if parked else b"", parked=tuple(parked),
+                        parked_scores=tuple(self.parking.scores[p] for p in parked))
 
     def restore(self, snap: Snapshot) -> None:
         """Replace the conversation with a snapshot (of this model, fitting this n_ctx). StateFileError if
@@ -271,8 +286,9 @@ class Engine:
         if snap.model_id != self.model_id:
             raise StateFileError(f"the cache was saved with another model ({snap.model_id}), not the loaded one "
                                  f"({self.model_id})")
-        if len(snap.positions) > self.n_ctx:
-            raise StateFileError(f"the cache holds {len(snap.positions)} cells; this engine's n_ctx is {self.n_ctx}")
+        if len(snap.positions) + len(snap.parked) > self.n_ctx:
+            raise StateFileError(f"the cache holds {len(snap.positions) + len(snap.parked)} cells; this engine's "
+                                 f"n_ctx is {self.n_ctx}")
         with self._busy():
             self._restore(snap)
 
@@ -284,6 +300,13 @@ class Engine:
             self.ctx.set_seq_state(snap.state, 0)
             if tuple(int(p) for p in self.ctx.page.positions(0)) != snap.positions:
                 why = "the restored cache does not hold the saved positions"
+            elif snap.parked:
+                self.ctx.set_seq_state(snap.parked_state, PARK_SEQ)
+                if tuple(int(p) for p in self.parking.positions()) != snap.parked:
+                    why = "the restored cache does not hold the saved parked positions"
+                else:
+                    self.parking.scores = dict(zip(snap.parked, snap.parked_scores))
+                    self.parking.lay_out(0)
         except Exception as e:  # noqa: BLE001 -- llama.cpp's refusal, told in the message
             a = self.attention
             why = (f"llama.cpp refused the cache: {e} (this engine runs flash attention {a.flash_attn} with "
@@ -297,6 +320,10 @@ class Engine:
         if before is not None:  # put the conversation back as it was
             self.ctx.set_seq_state(before.state, 0)
             self.conv = Transcript(list(before.history), _positions(before))
+            if before.parked:
+                self.ctx.set_seq_state(before.parked_state, PARK_SEQ)
+                self.parking.scores = dict(zip(before.parked, before.parked_scores))
+                self.parking.lay_out(0)
         raise StateFileError(why)
 
     def cells_used(self) -> int:
@@ -362,7 +389,8 @@ class Engine:
         return TurnSettings(gate_mode=mode, gate=g, evictor=ev, budget=self.budget if budget is None else budget,
                             ladder=self.ladder, verify_tokens=verify_tokens or self.verify_tokens,
                             verify_rule=self.verify_rule, verify_threshold=self.verify_threshold, on_full=full,
-                            n_keep=self.n_keep, compact=self.compact, seed=self.seed)
+                            n_keep=self.n_keep, compact=self.compact, seed=self.seed, park=self.park,
+                            park_from=self.park_from)
 
     def _fit_and_prefill(self, t: TurnSettings, toks: list[int], reserve: int, evict_now: bool,
                          select: bool = True) -> tuple[Decision, tuple | None]:
@@ -379,9 +407,13 @@ class Engine:
                 self._restore(before)
                 self.conv.room_out = room_out
 
-        return self.room.fit(self.conv, toks, reserve, t.room_rules,
-                             lambda part: self._prefill_and_gate(t, part, evict_now=evict_now, select=select),
-                             save, back)
+        restored, dropped = self.parking.unpark(self.conv, len(toks) + reserve) if t.park else (0, 0)
+        dec, plan = self.room.fit(self.conv, toks, reserve, t.room_rules,
+                                  lambda part: self._prefill_and_gate(t, part, evict_now=evict_now, select=select,
+                                                                      gap=reserve),
+                                  save, back)
+        dec.restored, dec.park_dropped = restored, dropped
+        return dec, plan
 
     def cache_map(self) -> tuple[np.ndarray, np.ndarray | None]:
         """Which tokens of the conversation the cache holds now, and why the others went: (bool
@@ -401,6 +433,7 @@ class Engine:
         """Forget the conversation: the KV cache is cleared."""
         self.ctx.clear()
         self.conv.clear()
+        self.parking.clear()
 
     # --- one turn ----------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS, sampling: Sampling | None = None,
@@ -506,13 +539,18 @@ class Engine:
         stream.decision = dec
 
         # generation (generation.py), with the verify cap and room for a growing answer plugged in
+        park = None
+        if t.park:
+            def park(drop: np.ndarray, answered: int) -> None:  # a passed check parks instead of evicting
+                self.parking.park(drop, max(0, reserve - answered))
+                dec.parked = self.parking.count()
         check = None if plan is None else SelfCheck(ctx, self.pipeline, dec, plan, t.verify_rule, t.verify_threshold,
-                                                    t.verify_tokens, t.ladder, t.compact)
-        room = None if t.on_full != "evict" else (
-            lambda: self.room.for_answer(self.conv, dec, reserve, start, t.room_rules))
+                                                    t.verify_tokens, t.ladder, t.compact, park=park)
+        room = None if t.on_full != "evict" else (lambda: self._answer_room(dec, reserve, start, t))
         sampler = self._sampler(sampling)
         loop = AnswerLoop(ctx, self.model, self.conv, sampler, max_tokens, self.room.pos_limit,
-                          logprobs=sampling.logprobs, check=check, room=room, record=stream.logprobs)
+                          logprobs=sampling.logprobs, check=check, room=room, record=stream.logprobs,
+                          parked=self.parking.count)
         try:
             yield from loop
         finally:
@@ -521,6 +559,15 @@ class Engine:
             out = loop.out
             stream.result = Result(self.model.detokenize(out), out, dec, loop.finish, len(toks), loop.seconds,
                                    list(stream.logprobs) if sampling.logprobs is not None else None)
+
+    def _answer_room(self, dec: Decision, reserve: int, start: int, t: TurnSettings) -> bool:
+        """Room for a growing answer: parked cells go for good first (the lowest ranked), then earlier turns."""
+        if self.parking.count():
+            n = self.parking.drop(self.conv, max(1, reserve // 4))
+            dec.room_evicted += n
+            self.parking.lay_out(max(1, reserve // 4))
+            return True
+        return self.room.for_answer(self.conv, dec, reserve, start, t.room_rules)
 
     def _sampler(self, sampling: Sampling):
         """llama.cpp's sampler chain for this answer. Its grammar and penalties see the answer's tokens
@@ -541,7 +588,7 @@ class Engine:
                             model=self.model)
 
     def _prefill_and_gate(self, t: TurnSettings, toks: list[int], evict_now: bool = True,
-                          select: bool = True) -> tuple[Decision, tuple | None]:
+                          select: bool = True, gap: int = 0) -> tuple[Decision, tuple | None]:
         """Prefill, probe, gate and (evict_now) evict. Returns the Decision and, when the gate opened
         and T > B but evict_now is False, the eviction plan (keep, held, last_pos, last_tok) for the
         verify modes. select=False: gate only (measure). An interrupted or failed prefill leaves
@@ -550,18 +597,20 @@ class Engine:
         pos0 = ctx.seq_pos_max(0) + 1
         n_hist = len(self.history)
         try:
-            return self._prefill_and_gate_impl(t, toks, pos0, evict_now, select)
+            return self._prefill_and_gate_impl(t, toks, pos0, evict_now, select, gap)
         except BaseException:
             ctx.seq_rm(0, pos0, -1)
             ctx.page.disarm_probe()
             self.conv.truncate(n_hist)
             raise
 
-    def _prefill_and_gate_impl(self, t: TurnSettings, toks, pos0, evict_now, select):
+    def _prefill_and_gate_impl(self, t: TurnSettings, toks, pos0, evict_now, select, gap):
         pipe, ev = self.pipeline, t.evictor
         t0 = time.perf_counter()
         pre = pipe.prefill(toks, pos0, 0, track_attention=select and "prefill_attention" in ev.needs)
         self.conv.extend(toks, pos0)
+        if t.park and pre.probe is not None:
+            self.parking.ranked(pre.probe)  # every cell's score by this message: which parked ones go first
         # the speed budget is a share of the whole conversation, so a turn evicts only what brings the
         # cells back to it: earlier turns are not cut again by the same ratio on every turn
         T = len(self.history)
@@ -570,7 +619,8 @@ class Engine:
         t3 = time.perf_counter()
         is_open = bool(g.open) if g else False
         evicted, plan, lookahead_ms = False, None, None
-        if is_open and pre.T > B and select:
+        short = t.park and pre.T < t.park_from  # parking: below park_from eviction does not pay
+        if is_open and pre.T > B and select and not short:
             last_pos, last_tok = pos0 + len(toks) - 1, toks[-1]
             signals = pipe.signals(ev.needs, pre, last_pos, last_tok, spec=getattr(ev, "spec", None),
                                    restore_logits=not evict_now)
@@ -588,7 +638,10 @@ class Engine:
             else:
                 keep = pipe.select(ev, pre, B, signals, t.seed)
                 if evict_now:
-                    pipe.evict_in_place(0, keep, pre.held, last_pos, last_tok, compact=t.compact)
+                    pipe.evict_in_place(0, keep, pre.held, last_pos, last_tok, compact=t.compact,
+                                        park=PARK_SEQ if t.park else None, gap=gap)
+                    if t.park:
+                        self.parking.note(np.setdiff1d(pre.held[pre.held != last_pos], keep))
                     evicted = True
                 else:
                     plan = ([(B, keep)], pre.held, last_pos, last_tok)
@@ -605,14 +658,19 @@ class Engine:
                 verify = dict(verify_m=0, verify_delta=0.0, verify_score=0.0, verify_rule=t.verify_rule,
                               verify_threshold=t.verify_threshold)
                 reason += f"; {pre.T} cells <= B = {B}: nothing to evict"
+        if short and is_open and pre.T > B and select:
+            reason += (f"; the conversation holds {pre.T} cells, fewer than {t.park_from}: eviction does not pay "
+                       "there, the full cache is kept")
         kept = self.cells_used()
+        parked = self.parking.count()
         return Decision(
             T=T, B=B, D=pre.D, z=g.z if g else None, open=is_open, evicted=evicted, kept=kept,
             compression=T / kept if kept else 1.0, gate_mode=t.gate_mode,
             rule=g.rule if g else "none", reason=reason,
             evictor=ev.name, prefill_ms=pre.prefill_ms, probe_ms=pre.probe_ms,
             gate_ms=(t3 - t0) * 1e3 - pre.prefill_ms - pre.probe_ms, evict_ms=(t4 - t3) * 1e3,
-            agreement=pre.agreement, lookahead_ms=lookahead_ms, gate_note=g.note if g else None, **verify), plan
+            agreement=pre.agreement, lookahead_ms=lookahead_ms, gate_note=g.note if g else None, parked=parked,
+            **verify), plan
 
     # --- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

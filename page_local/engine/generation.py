@@ -7,7 +7,8 @@ Two hooks plug the rest of the engine in, and the loop knows nothing else of it:
   answer reaches check.cap tokens, or when the loop ends first ("length");
 - `room`, room for a growing answer: called when the next token would not fit (cells or the trained
   context); True when room was made, False to end the answer (finish "context"). Never while a check is
-  pending: its candidate shares these cells.
+  pending: its candidate shares these cells. `parked()`: how many cells parking holds besides the answer's
+  sequence (they fill the cache too).
 
 The piece goes out before its token is decoded (as llama-server sends it): the first token is not held back
 by a decode step. A loop closed at a piece's yield decodes that token then, so what the caller has seen is
@@ -44,10 +45,11 @@ class AnswerLoop:
 
     def __init__(self, ctx, model, conv: Transcript, sampler, max_tokens: int, pos_limit: int,
                  logprobs: int | None = None, check=None, room: Callable[[], bool] | None = None,
-                 record: list | None = None):
+                 record: list | None = None, parked: Callable[[], int] | None = None):
         self.ctx, self.model, self.conv, self.sampler = ctx, model, conv, sampler
         self.max_tokens, self.pos_limit, self.n_logprobs = max_tokens, pos_limit, logprobs
         self.check, self.room = check, room
+        self.parked = parked or (lambda: 0)
         self.out: list[int] = []
         self.logprobs: list = [] if record is None else record  # record: a list the caller reads as it grows
         self.finish = "length"
@@ -62,7 +64,7 @@ class AnswerLoop:
         full_logits: list[np.ndarray] = []  # f32 (n_vocab,) of the full cache at each step, while checking
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         t0 = time.perf_counter()
-        used = ctx.cells_used(0)  # kept up to date below: no native scan of the cells per token
+        used = ctx.cells_used(0) + self.parked()  # kept up to date below: no native scan of the cells per token
         pending = None  # (token, position) handed out but not decoded yet
         try:
             for _ in range(self.max_tokens):
@@ -82,7 +84,7 @@ class AnswerLoop:
                     if self.check is not None or self.room is None or not self.room():
                         self.finish = "context"
                         break
-                    used, pos = ctx.cells_used(0), ctx.seq_pos_max(0) + 1
+                    used, pos = ctx.cells_used(0) + self.parked(), ctx.seq_pos_max(0) + 1
                 if want_lp:
                     self.logprobs.append(token_logprobs(logits, tok, self.n_logprobs))
                 piece = decoder.decode(model.token_to_piece(tok))
@@ -96,7 +98,7 @@ class AnswerLoop:
                 out.append(tok)
                 if self.check is not None and len(out) == self.check.cap:  # the cap: decide on what there is
                     self._checked(full_logits, until="cap")
-                    used = ctx.cells_used(0)
+                    used = ctx.cells_used(0) + self.parked()
             if self.check is not None and out:  # max_tokens or a full context before the cap: what there is
                 self._checked(full_logits[: len(out)], until="length")
             tail = decoder.decode(b"", final=True)

@@ -22,12 +22,15 @@ class SelfCheck:
     """The check of one turn: dec is the turn's Decision (updated with the verdict), plan the eviction plan
     the gate left ((keeps, held, last_pos, last_tok); keeps: [(B, keep)] smallest B first, or a function of
     the answer); rule, threshold: verify.RULES; cap: the most answer tokens checked; ladder: the budgets as
-    the user gave them (for the status line); compact: move the committed copy's cells together."""
+    the user gave them (for the status line); compact: move the committed copy's cells together. park: None, or
+    park(positions, answered) — a passed check parks the positions the copy dropped (engine/parking.py) instead of
+    evicting them; the answer's cells of the full cache stay (they were computed with the whole conversation)."""
 
     def __init__(self, ctx, pipeline: Pipeline, dec: Decision, plan: tuple, rule: str, threshold: float, cap: int,
-                 ladder, compact: bool):
+                 ladder, compact: bool, park=None):
         self.ctx, self.pipeline, self.dec, self.plan = ctx, pipeline, dec, plan
         self.rule, self.threshold, self.cap, self.ladder, self.compact = rule, threshold, cap, ladder, compact
+        self.park = park
 
     def __call__(self, out: list[int], full_logits: list[np.ndarray], end: int | None = None,
                  until: str = "end") -> None:
@@ -67,7 +70,14 @@ class SelfCheck:
         dec.verify_forced = forced
         dec.B = keeps[i][0]
         commit = chosen is not None
-        if commit:  # the candidate already holds the m tokens: it becomes the sequence
+        if commit and self.park is not None:  # the copy's dropped positions are parked; seq 0 keeps its answer
+            drop = np.setdiff1d(ctx.page.positions(0), ctx.page.positions(1), assume_unique=True)
+            ctx.seq_rm(1, -1, -1)
+            p = ctx.seq_pos_max(0)
+            ctx.seq_rm(0, p, p + 1)  # the newest token again, so that the next one is sampled from this cache
+            self.park(drop, m)
+            ctx.decode([out[-1]], p, 0)
+        elif commit:  # the candidate already holds the m tokens: it becomes the sequence
             ctx.seq_rm(0, -1, -1)
             ctx.seq_cp(1, 0)
             ctx.seq_rm(1, -1, -1)

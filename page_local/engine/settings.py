@@ -37,6 +37,8 @@ class TurnSettings:
     n_keep: int
     compact: bool
     seed: int
+    park: bool = False  # evict for speed by parking (engine/parking.py)
+    park_from: int = 0  # with park: below this many cells the full cache is kept
 
     @property
     def verifies(self) -> bool:

@@ -8,7 +8,8 @@ File layout (little-endian):
 The header holds the model identity, n_ctx, the token history, the positions held, and the
 caller's own data (the chat's messages and settings). The state is llama.cpp's sequence state
 (llama_state_seq_get_data of sequence 0), which keeps each cell's position: the gaps left by
-eviction survive the round trip.
+eviction survive the round trip. Version 2 (a conversation with parked cells, engine/parking.py): the
+state is followed by the parking sequence's state, its length, positions and scores in the header.
 
 Files are written atomically (temp file + rename): a failed save never clobbers the old file, and a
 truncated, corrupt or foreign file is refused before anything in the engine is touched.
@@ -27,7 +28,8 @@ from page_local.errors import StateFileError
 from page_local.store.home import atomic_write
 
 MAGIC = b"PGLC"
-VERSION = 1
+VERSION = 2  # written when cells are parked; 1 otherwise (what page-local wrote before parking)
+VERSIONS = (1, 2)
 
 
 def is_state_file(path: str | os.PathLike) -> bool:
@@ -49,10 +51,13 @@ class Snapshot:
     positions: tuple[int, ...]  # the positions the cache holds (gaps where eviction removed cells)
     state: bytes  # llama.cpp's sequence state of sequence 0
     history_pos: tuple[int, ...] | None = None  # the position of each history token; None: its index
+    parked_state: bytes = b""  # llama.cpp's sequence state of the parking sequence (engine/parking.py)
+    parked: tuple[int, ...] = ()  # the positions parked
+    parked_scores: tuple[float, ...] = ()  # each one's score when it was parked (the lowest goes first)
 
     @property
     def nbytes(self) -> int:
-        return len(self.state)
+        return len(self.state) + len(self.parked_state)
 
 
 def save(snap: Snapshot, path: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -67,8 +72,14 @@ def save(snap: Snapshot, path: str | os.PathLike, extra: dict | None = None) -> 
         "history_pos": None if snap.history_pos is None else list(snap.history_pos),
         "extra": extra or {},
     }
+    version = 1
+    if snap.parked:
+        version = VERSION
+        header.update(parked=list(snap.parked), parked_scores=list(snap.parked_scores),
+                      parked_state_bytes=len(snap.parked_state))
     hb = json.dumps(header).encode("utf-8")
-    body = MAGIC + struct.pack("<IQ", VERSION, len(hb)) + hb + struct.pack("<Q", len(snap.state)) + snap.state
+    state = snap.state + snap.parked_state
+    body = MAGIC + struct.pack("<IQ", version, len(hb)) + hb + struct.pack("<Q", len(state)) + state
     blob = body + hashlib.sha256(body).digest()
     with atomic_write(path, "wb") as f:
         f.write(blob)
@@ -92,8 +103,9 @@ def read(path: str | os.PathLike) -> tuple[Snapshot, dict]:
     if hashlib.sha256(body).digest() != digest:
         raise StateFileError(f"{path} is truncated or corrupt (checksum mismatch)")
     version, hlen = struct.unpack_from("<IQ", body, 4)
-    if version != VERSION:
-        raise StateFileError(f"{path} has format version {version}; this page-local reads version {VERSION}")
+    if version not in VERSIONS:
+        raise StateFileError(f"{path} has format version {version}; this page-local reads versions "
+                             f"{', '.join(map(str, VERSIONS))}")
     off = 16
     try:
         header = json.loads(body[off : off + hlen].decode("utf-8"))
@@ -104,11 +116,18 @@ def read(path: str | os.PathLike) -> tuple[Snapshot, dict]:
     if len(state) != slen or not isinstance(header, dict) or header.get("format") != "page-local-cache":
         raise StateFileError(f"{path} is truncated or corrupt")
     try:
+        n_parked = int(header.get("parked_state_bytes", 0)) if version >= 2 else 0
+        if not 0 <= n_parked <= len(state):
+            raise ValueError("parked_state_bytes is outside the state")
         snap = Snapshot(model_id=str(header["model_id"]), n_ctx=int(header["n_ctx"]),
                         history=tuple(int(t) for t in header.get("history", [])),
-                        positions=tuple(int(p) for p in header.get("positions", [])), state=state,
+                        positions=tuple(int(p) for p in header.get("positions", [])),
+                        state=state[: len(state) - n_parked],
                         history_pos=None if header.get("history_pos") is None
-                        else tuple(int(p) for p in header["history_pos"]))
+                        else tuple(int(p) for p in header["history_pos"]),
+                        parked_state=state[len(state) - n_parked:] if n_parked else b"",
+                        parked=tuple(int(p) for p in header.get("parked", [])) if n_parked else (),
+                        parked_scores=tuple(float(x) for x in header.get("parked_scores", [])) if n_parked else ())
     except (KeyError, TypeError, ValueError) as e:
         raise StateFileError(f"{path} has a corrupt header ({e})") from None
     extra = header.get("extra") or {}

@@ -1,0 +1,104 @@
+"""Parking: eviction for speed that the next message can undo (Engine(park=True); chat and serve).
+
+A committed eviction is permanent: the gate checks the current answer only, and a later turn that asks about
+what went finds nothing. Parking keeps those cells in memory under a sequence of their own (PARK_SEQ) and out of
+the attended range (llama_page_park: they sit past the cells a decode reads, so it costs them nothing). Each
+message chooses again:
+
+  1. before the message is read, every parked cell returns to the conversation (llama_page_restore, in place:
+     nothing moves) — unless the cache cannot hold the message and its answer beside them: then the parked
+     cells go for good first, lowest ranked first (the wall: `unpark`), and only then does room-making (room.py)
+     evict held ones;
+  2. the message is read over the whole conversation, and its last tokens' probe ranks every cell;
+  3. the gate decides as it does for a single prompt; when it evicts, the cells outside the budget are parked
+     instead (the turn's step, turn.Pipeline.evict_in_place(park=...)), with the answer's room left right
+     after the held cells.
+
+Below PARK_FROM cells eviction does not pay for itself (attention is a small share of a step there, and the
+check costs the turn more than the faster tokens give back), so a shorter conversation keeps the full cache.
+Memory: a parked cell costs what a held one does (--cache-type q8_0 halves both).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from page_local.engine.transcript import Transcript
+from page_local.evictors.lorekv import MAX_FUTURES
+
+PARK_SEQ = 1 + MAX_FUTURES  # the sequence parked cells belong to (1..MAX_FUTURES: verify and lookahead)
+N_SEQ = PARK_SEQ + 1  # the engine context's sequences
+# Below this many cells the policy keeps the full cache (docs/benchmarks.md, "Parking": where eviction pays)
+PARK_FROM = 2048
+
+
+class Parking:
+    """The parked cells of one conversation (sequence 0 of ctx) and how the last ranking scored them."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.scores: dict[int, float] = {}  # parked position -> its score when it was parked (lowest goes first)
+        self._ranked: tuple[np.ndarray, np.ndarray] | None = None  # (positions, scores) of the last ranking
+
+    def positions(self) -> np.ndarray:
+        return self.ctx.page.parked(PARK_SEQ)
+
+    def count(self) -> int:
+        return len(self.scores)
+
+    def clear(self) -> None:
+        self.scores, self._ranked = {}, None
+
+    def ranked(self, probe) -> None:
+        """The scores a message's probe gave every cell (head- and layer-mean attention of its last tokens): what
+        decides which parked cells go first at the wall."""
+        self._ranked = (probe.positions.astype(np.int64), probe.mean.mean(axis=0).astype(np.float64))
+
+    def park(self, positions: np.ndarray, gap: int, seq: int = 0) -> None:
+        """Park `positions` of seq (the gate's eviction), `gap` free cells left after the held ones."""
+        self.ctx.page.park(seq, PARK_SEQ, positions, gap)
+        self.note(positions)
+
+    def note(self, positions: np.ndarray) -> None:
+        """Record positions parked (by park, or by turn.Pipeline.evict_in_place) with their last ranking's score."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if self._ranked is None:
+            sc = np.zeros(pos.size)
+        else:
+            where, score = self._ranked
+            i = np.clip(np.searchsorted(where, pos), 0, max(0, where.size - 1))
+            sc = np.where(where[i] == pos, score[i], 0.0) if where.size else np.zeros(pos.size)
+        self.scores.update(zip(pos.tolist(), sc.tolist()))
+
+    def lay_out(self, gap: int, seq: int = 0) -> None:
+        """Lay the cells out again (held ones packed, `gap` free cells, then the parked ones): after the
+        sequence's cells changed without parking (a committed check, room made for an answer)."""
+        if self.scores:
+            self.ctx.page.park(seq, PARK_SEQ, np.zeros(0, np.int32), gap)
+
+    def drop(self, conv: Transcript, n: int) -> int:
+        """Let the n lowest-ranked parked cells go for good (recorded in conv.room_out: evicted to make room).
+        Returns how many went."""
+        if n <= 0 or not self.scores:
+            return 0
+        order = sorted(self.scores, key=lambda p: (self.scores[p], p))[:n]
+        self.ctx.page.evict(PARK_SEQ, np.asarray(order, dtype=np.int32))
+        for p in order:
+            del self.scores[p]
+        if conv.room_out is not None:
+            conv.room_out.update(int(i) for i in conv.indices_of(np.asarray(order)))
+        return len(order)
+
+    def unpark(self, conv: Transcript, need: int) -> tuple[int, int]:
+        """Before a message: every parked cell back to the conversation, after the lowest-ranked ones went for good
+        when the cache could not hold them beside `need` more cells. Returns (restored, dropped)."""
+        if not self.scores:
+            return 0, 0
+        ctx = self.ctx
+        over = ctx.cells_used(0) + len(self.scores) + need + 1 - ctx.n_ctx
+        dropped = self.drop(conv, over)
+        restored = len(self.scores)
+        if restored:
+            ctx.page.restore(0, PARK_SEQ)
+        self.scores = {}
+        return restored, dropped
