@@ -60,6 +60,7 @@ def make_input(T: int, B: int, *, W: int = 8, n_sink: int = 4, seed: int = 0, ga
                             n_fed=np.array([3, 2], dtype=np.int32), logprob=-rng.random(2), entropy=rng.random(2)),
         answer_lookahead=Lookahead(positions=held.astype(np.int32), cost=rng.random((1, n_layer, T)),
                                    n_fed=np.array([5], dtype=np.int32), logprob=np.zeros(1), entropy=np.zeros(1)),
+        spans=np.cumsum(rng.random(T) < 0.2),  # sentences of about 5 cells
         seed=seed,
     )
     fields.update(overrides)

@@ -24,7 +24,7 @@ def lines(path) -> list[dict]:
 PROMPTS = [list(range(100, 700)) + [1, 2, 3, 9], list(range(100, 700)) + [4, 5, 9], list(range(100, 700)) + [6, 9]]
 
 
-@pytest.mark.parametrize("policy", ["full", "room", "room-recent", "shift", "truncate"])
+@pytest.mark.parametrize("policy", ["full", "room", "room-spans", "room-both", "room-recent", "shift", "truncate"])
 def test_every_question_is_its_shared_reading_and_its_own_suffix(policy):
     r = ld.reading(policy, PROMPTS, 256, 32, n_keep=10)
     for q, p in enumerate(PROMPTS):
@@ -67,7 +67,7 @@ def test_wilson_and_the_report():
     assert (s["room"]["correct"], s["room"]["wins"], s["room"]["losses"], s["room"]["cost_s"]) == (2, 1, 1, 3.0)
     assert s["server"]["accuracy"] == 0 and s["server"]["cost_s"] is None
     md = markdown(list(s.values()))
-    assert "| 256 | 2× | room, ranked by the question (default) | 2/3 |" in md and "1 / 1" in md
+    assert "| 256 | 2× | room, ranked by the question, pooled cells | 2/3 |" in md and "1 / 1" in md
 
 
 # --- SmolLM2 --------------------------------------------------------------------------------------------------
@@ -139,8 +139,8 @@ def test_the_plan_from_a_given_pilot(cli, tmp_path):
     res = cli("eval", "longdoc", "--docs", "2", "--n-ctx", "256", "--lengths", "2,4", "--pilot-s", "10",
               "--plan-only", "--out", out)
     assert res.exit_code == 0, res.output
-    # 2 docs x 4 questions x 2 cells x 5 policies that run; 10 s at 4x, 5 s at 2x: 40 x 10 + 40 x 5 s
-    assert "8 questions per cell" in res.output and "80 question runs left" in res.output
+    # 2 docs x 4 questions x 2 cells x 6 policies that run; 10 s at 4x, 5 s at 2x: 48 x 10 + 48 x 5 s
+    assert "8 questions per cell" in res.output and "96 question runs left" in res.output
     assert "estimated 0.2 h" in res.output and not out.exists()
     res = cli("eval", "longdoc", "--report", "--out", tmp_path / "none.jsonl")
     assert res.exit_code == 2 and "no such rows file" in res.output
@@ -158,3 +158,36 @@ def test_the_command_pilots_plans_runs_and_reports_then_resumes(cli, tmp_path):
     res = cli(*args)  # everything is there: no pilot, nothing runs
     assert res.exit_code == 0 and "pilot:" not in res.output and "0 question runs left; nothing to run" in res.output
     assert "0 rows written (4 already there)" in res.output
+
+
+def test_the_second_question_is_the_next_turn_about_the_next_fact(smollm2_path, tmp_path):
+    """--second: after each answer the next turn asks about the next fact, in the same conversation. With the full
+    cache the second answer is a fresh run's on the rendered two-turn conversation; truncation's reading leaves
+    no room for a second turn (refused, as it never makes room); the rows are apart from the one-question
+    mode's (turns=2) and reported in a table of their own."""
+    out = tmp_path / "rows.jsonl"
+    with ld.LongDocRun(smollm2_path, out, docs=1, questions=1, n_ctxs=[256], lengths=[1.5], threads=THREADS,
+                       policies=["full", "room-both", "truncate"], max_tokens=16, second=True) as run:
+        run.run()
+        rows = {r["policy"]: r for r in lines(out)}
+        doc = run.document(run.cells[0], 0)
+        eng = run.engine("full", run.cells[0])
+        pr = run.prompter
+        convo = pr.render([("user", doc.message(0)), ("assistant", rows["full"]["answer"]),
+                           ("user", ld.QUESTION.format(**doc.facts[1].__dict__))])
+        eng.reset()
+        fresh = eng.generate(eng.model.tokenize(convo, add_special=True), max_tokens=16, add_special=False)
+        assert rows["full"]["second_answer"] == fresh.text
+        with ld.LongDocRun(smollm2_path, out, docs=1, questions=1, n_ctxs=[256], lengths=[1.5],
+                           policies=["full"], threads=THREADS, max_tokens=16) as one:
+            assert len(one.units()) == 1  # the one-question row is not among the second mode's
+    assert set(rows) == {"full", "room-both", "truncate"}
+    for r in rows.values():
+        assert r["turns"] == 2 and r["second"] == 1 and r["second_expected"] == doc.facts[1].code
+        assert r["second_correct"] == (r["second_expected"] in r["second_answer"])
+    assert "second_error" in rows["truncate"] and rows["truncate"]["second_answer"] == ""
+    assert "second_error" not in rows["room-both"] and rows["room-both"]["room_evicted"] > 0
+    s = {x["policy"]: x for x in summarize(list(rows.values()))}
+    assert s["room-both"]["turns"] == 2 and s["room-both"]["second_correct"] == int(rows["room-both"]["second_correct"])
+    md = markdown(list(s.values()))
+    assert "## The second question" in md and "second accuracy (95 % Wilson)" in md

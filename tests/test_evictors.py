@@ -7,16 +7,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from page_local.evictors import EVICTORS, EvictionInput, get_evictor, resolve_budget
+from page_local.evictors import EVICTORS, ROOM_ONLY, EvictionInput, get_evictor, resolve_budget
 from page_local.evictors.pyramidkv import layer_budgets
 from tests.factories import make_input, make_probe
 
 # Every registered evictor with its defaults, plus the option variants worth covering.
-CONFIGS = [(name, {}) for name in sorted(EVICTORS)] + [
+EVERY = sorted(EVICTORS) + sorted(ROOM_ONLY)  # room-making's evictors too: the same contract
+CONFIGS = [(name, {}) for name in EVERY] + [
     ("snapkv", {"pool": "avg", "kernel": 5}),
     ("snapkv", {"pool": "max", "kernel": 3}),
     ("pyramidkv", {"reduce": "weighted"}),
     ("pyramidkv", {"pool": "avg", "kernel": 7}),
+    ("snapkv-spans", {"agg": "max"}),
+    ("snapkv-spans", {"agg": "mean"}),
 ]
 CONFIG_IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in CONFIGS]
 
@@ -49,9 +52,11 @@ def check_invariants(inp: EvictionInput, keep: np.ndarray) -> None:
 def test_registry_covers_the_documented_methods():
     assert set(EVICTORS) == {"snapkv", "streamingllm", "h2o", "tova", "knorm", "pyramidkv", "random", "lorekv",
                              "lorekv-answer"}
-    for name, cls in EVICTORS.items():
+    assert set(ROOM_ONLY) == {"snapkv-spans"} and not set(ROOM_ONLY) & set(EVICTORS)
+    for name, cls in {**EVICTORS, **ROOM_ONLY}.items():
         assert cls.name == name
-        assert cls.needs <= {"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead"}
+        assert cls.needs <= {"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead",
+                             "spans"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -65,22 +70,22 @@ def test_invariants(name, opts, case):
     np.testing.assert_array_equal(keep, get_evictor(name, **opts).select(inp))
 
 
-@pytest.mark.parametrize("name", sorted(n for n, c in EVICTORS.items() if c.needs), ids=str)
+@pytest.mark.parametrize("name", sorted(n for n, c in {**EVICTORS, **ROOM_ONLY}.items() if c.needs), ids=str)
 def test_missing_signal_is_a_clear_error(name):
-    needs = EVICTORS[name].needs
+    needs = {**EVICTORS, **ROOM_ONLY}[name].needs
     inp = make_input(64, 20, **{n: None for n in needs})
     with pytest.raises(ValueError, match=name):
         get_evictor(name).select(inp)
 
 
-@pytest.mark.parametrize("name", sorted(EVICTORS), ids=str)
+@pytest.mark.parametrize("name", EVERY, ids=str)
 def test_nothing_needed_when_nothing_to_evict(name):
     inp = make_input(20, 40, probe=None, last_query=None, prefill_attention=None, key_norms=None)
     np.testing.assert_array_equal(get_evictor(name).select(inp), inp.held)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from(sorted(EVICTORS)), T=st.integers(1, 120), W=st.integers(0, 16),
+@given(name=st.sampled_from(EVERY), T=st.integers(1, 120), W=st.integers(0, 16),
        n_sink=st.integers(0, 6), extra=st.integers(0, 130), seed=st.integers(0, 2**31 - 1),
        gaps=st.booleans())
 def test_invariants_property(name, T, W, n_sink, extra, seed, gaps):
@@ -241,8 +246,56 @@ def test_pyramidkv_rejects_unknown_reduce():
 
 # --- registry, input and budget validation -----------------------------------------------------
 
+# --- snapkv-spans: kept a sentence at a time (issue 43) ------------------------------------------------
+
+def test_sentences_end_at_stops_newlines_control_tokens_and_the_span_cap():
+    from page_local.evictors.spans import sentence_spans
+
+    pieces = ["The", " code", " is", " ", "7", "8", ".", " Then", " he", " said", ' "no."', " Next", "\n", "<|im_end|>",
+              "x", "y", "z", "w"]
+    ids = sentence_spans(pieces, is_control=lambda i: pieces[i] == "<|im_end|>", max_span=3)
+    assert ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 4, 5, 5, 6, 7, 7, 7, 8]
+    assert sentence_spans(["a.", "b", "c"], max_span=64).tolist() == [0, 1, 1]
+    with pytest.raises(ValueError, match="max_span must be an int >= 1, got 0"):
+        sentence_spans(["a"], max_span=0)
+
+
+def spans_input(mean: np.ndarray, spans: list[int], budget: int) -> EvictionInput:
+    held = np.arange(len(spans), dtype=np.int32)
+    return EvictionInput(held=held, budget=budget, window=held[:0], n_sink=0, probe=make_probe(held, mean[None, :]),
+                         spans=np.asarray(spans))
+
+
+def test_a_high_scoring_cell_keeps_its_sentence_where_snapkv_keeps_the_cell():
+    """A fact's key words score high and its value low (what the question's queries attend to): per cell,
+    SnapKV keeps the key and drops the value; kept a sentence at a time, the value stays with its key."""
+    spans = [0] * 6 + [1] * 6 + [2] * 6  # three sentences of 6 cells
+    mean = np.full(18, 0.01)
+    mean[[0, 13]] = 0.05  # a stray peak in sentences 0 and 2
+    mean[6:8] = 0.3  # sentence 1's key
+    inp = spans_input(mean, spans, 6)
+    assert get_evictor("snapkv").select(inp).tolist() == [0, 1, 2, 6, 7, 13]  # ties: the lower positions
+    assert get_evictor("snapkv-spans").select(inp).tolist() == [6, 7, 8, 9, 10, 11]
+
+
+def test_spans_that_do_not_fit_leave_the_budget_to_the_best_cells():
+    spans = [0] * 4 + [1] * 8 + [2] * 3
+    mean = np.array([0.1] * 4 + [0.2] * 8 + [0.0, 0.05, 0.0])  # sentence 1 first, but it does not fit in 6
+    keep = get_evictor("snapkv-spans").select(spans_input(mean, spans, 6))
+    assert keep.tolist() == [0, 1, 2, 3, 4, 5]  # sentence 0 whole, then sentence 1's best cells (ties: first)
+    keep = get_evictor("snapkv-spans").select(spans_input(mean, spans, 14))
+    assert keep.tolist() == list(range(14))  # both whole, then 13 (0.05) and 12 (ties with 14: the lower)
+
+
+def test_snapkv_spans_options_and_its_signal():
+    with pytest.raises(ValueError, match="agg must be one of sum, max, mean; got 'median'"):
+        get_evictor("snapkv-spans", agg="median")
+    with pytest.raises(ValueError, match="spans must be integers aligned with held"):
+        make_input(20, 10, spans=np.zeros(19, dtype=np.int64))
+
+
 def test_unknown_evictor_lists_the_valid_names():
-    valid = "h2o, knorm, lorekv, lorekv-answer, pyramidkv, random, snapkv, streamingllm, tova"
+    valid = "h2o, knorm, lorekv, lorekv-answer, pyramidkv, random, snapkv, snapkv-spans, streamingllm, tova"
     with pytest.raises(ValueError, match=f"'snapkvv'.*{valid}"):
         get_evictor("snapkvv")
 

@@ -41,7 +41,7 @@ def _plan_text(plan: dict, hours: float | None, source: str) -> str:
 @click.option("--n-ctx", "n_ctxs", default="512,1024", show_default=True,
               help="Comma-separated contexts every policy but the full cache gets.")
 @click.option("--lengths", default="2,4", show_default=True, help="Comma-separated document lengths, × n_ctx.")
-@click.option("--policies", default="full,room,room-recent,shift,truncate,server", show_default=True,
+@click.option("--policies", default="full,room,room-spans,room-recent,shift,truncate,server", show_default=True,
               help="Comma-separated (page_local/eval/longdoc.py says what each does).")
 @click.option("--max-tokens", "max_tokens", default=32, show_default=True, type=click.IntRange(1, 256),
               help="Greedy answer tokens, at most.")
@@ -51,13 +51,16 @@ def _plan_text(plan: dict, hours: float | None, source: str) -> str:
 @click.option("--pilot-s", "pilot_s", default=None, type=click.FloatRange(min=0),
               help="Seconds per question per policy at the largest cell, for the plan; default: measure a "
                    "3-question pilot first (its rows are kept).")
+@click.option("--second", is_flag=True,
+              help="Second-question mode: after each answer, the next turn asks about another fact of the document "
+                   "(rows with turns=2; give them their own --out).")
 @click.option("--plan-only", is_flag=True, help="Print the plan (and the pilot's estimate) and stop.")
 @click.option("--report", "report", is_flag=True, help="Print the report of --out and run nothing.")
 @threads_option
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @load_options
-def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, seed, out, pilot_s, plan_only,
-                 report, threads, quiet, **engine_options):
+def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, seed, out, second, pilot_s,
+                 plan_only, report, threads, quiet, **engine_options):
     """Long documents (2× and 4× n_ctx) with facts spread over them, several questions each: the full cache,
     room on demand, context shift, truncation and llama-server, one reading per document and policy."""
     from page_local.cli.eval import _Bar
@@ -72,7 +75,7 @@ def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, 
                                  param_hint="'--policies'")
     n_list, l_list = _list(n_ctxs, int, "'--n-ctx'"), _list(lengths, float, "'--lengths'")
     path = resolve_model(model)
-    out = Path(out) if out is not None else default_out(path)
+    out = Path(out) if out is not None else default_out(path, second)
     if report:
         if not out.is_file():
             fail(f"no such rows file: {out}", 2)
@@ -83,7 +86,7 @@ def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, 
     try:
         with one_line_errors(), LongDocRun(path, out, docs=docs, questions=questions, n_ctxs=n_list, lengths=l_list,
                                            policies=policy_list, max_tokens=max_tokens, seed=seed, threads=threads,
-                                           engine_options=engine_options) as run:
+                                           engine_options=engine_options, second=second) as run:
             plan = run.plan()
             cell = (max(n_list), max(l_list))
             hours, source, piloted = None, "", 0

@@ -25,8 +25,15 @@ Why it is not self-verified: verification compares the evicted cache with the fu
 answer, and here the full one cannot hold the message: there is no reference to check against.
 It protects structure instead, as the measured failure of global caps asks (arXiv 2605.18053): the
 sinks, the system prompt (Engine.n_keep), every control token (the chat template's turn
-boundaries) and the latest RECENT of n_ctx; the rest is ranked by SnapKV's score pooled over
-neighbouring positions (ROOM_EVICTOR; set_room_evictor for another that reads only the probe).
+boundaries) and the latest RECENT of n_ctx; the rest is kept a sentence at a time: SnapKV's score summed
+over each sentence, whole sentences best first (ROOM_EVICTOR, evictors/spans.py; the sentences are cut from
+the conversation's token text, RoomMaker.spans). set_room_evictor takes another that reads only the probe
+(and the spans): ("snapkv", pool "avg", kernel 15), cells pooled over 15 neighbours, was the default until
+issue 43 and lost a fact's last digits at 4x n_ctx (docs/design.md §5.1).
+
+"question+generic" shares the kept cells between the question (1 - GENERIC_SHARE) and a generic query
+(GENERIC_SHARE: KVzip's reconstruction prompt), decoded and removed as the question is, so that a later
+question about another part of a long message still finds it; W more tokens decoded per eviction.
 
 Positions: eviction leaves gaps, and every turn appends after the highest position, so a long chat
 walks past the model's trained context while its cells still fit. close_gaps renumbers the held
@@ -47,19 +54,27 @@ from page_local.engine.turn import N_SINK, TOP_K, W
 from page_local.errors import ContextFull
 from page_local.evictors import get_evictor
 from page_local.evictors.base import EvictionInput
+from page_local.evictors.spans import sentence_spans
 
 LOW_WATER = 0.5  # after making room, the earlier conversation holds at most this fraction of n_ctx
 RECENT = 0.125  # the conversation's latest tokens protected while making room, as a fraction of n_ctx
 RECENT_MAX = 512
 ON_FULL = ("evict", "refuse")
-ROOM_RANKINGS = ("question", "recent")  # what ranks the cells room-making evicts (see above)
-# The evictor that ranks them: SnapKV's score, averaged over 15 neighbouring positions (SnapKV's own
-# pooling; PAGE's speed budget uses none). Without it the question's queries keep a needle's key words and
-# lose the digits after them: in 2 long documents whose fact SmolLM2 answered with the full cache, plain
-# SnapKV kept 3 and 2 of the value's 8 tokens, pooled 8 and 6 (one answered). Not settled: at n_ctx 4096
-# one document was answered unpooled and pooled over 7, not over 15 (docs/design.md §5.1). Any evictor that
-# needs only the probe can replace it (set_room_evictor).
-ROOM_EVICTOR = ("snapkv", {"pool": "avg", "kernel": 15})
+ROOM_RANKINGS = ("question", "recent", "question+generic")  # what ranks the cells room-making evicts (see above)
+# "question+generic": the share of the ranked cells that a generic query keeps, the rest the question's (a later
+# question about another part of the message finds it there: issue 43, item 3), and that query: KVzip's
+# reconstruction prompt (Kim et al., arXiv 2505.23416), which asks for all of the context, not one part of it
+GENERIC_SHARE = 0.5
+GENERIC_QUERY = "\n\nRepeat the previous context exactly."
+# The evictor that ranks them: SnapKV's score, kept a sentence at a time (evictors/spans.py). The question's
+# queries attend to a fact's key, not to its value: per cell, the value's last digits rank below the budget
+# (raw ranks 109-382 of ~395 candidates, 168 kept, at 4x n_ctx 512), and SnapKV's pooling over 15 centred
+# neighbours (the default before issue 43, ROOM_POOLED) lifts them by their distance from the key, least for
+# the last digit, which each of the 8-10 evictions of a 4x document erodes further ("405" for 4050). Kept a
+# sentence at a time: 16 of 24 questions at 4x n_ctx 512 against 6 pooled (docs/design.md §5.1).
+ROOM_EVICTOR = ("snapkv-spans", {})
+ROOM_POOLED = ("snapkv", {"pool": "avg", "kernel": 15})  # the default before issue 43, kept to compare
+ROOM_PROVIDES = frozenset({"probe", "spans"})  # what room-making gives its evictor (spans: sentence_spans)
 MIN_ANSWER = 64  # a message is read whole (never evicted) when it fits with this many answer cells to spare
 # the answer's room made before a message (from earlier turns; from the message only when it is longer than
 # the context): a normal answer's, not max_tokens' (Engine passes min(max_tokens, n_ctx/4, ANSWER_ROOM))
@@ -167,14 +182,16 @@ class RoomMaker:
         self.ctx, self.model, self.pipeline = ctx, model, pipeline
         self.ranking = ROOM_RANKINGS[0]  # what ranks the cells room-making evicts (set_ranking)
         self._evictor = None  # set_evictor; None: ROOM_EVICTOR
+        self._pieces: dict[int, str] = {}  # token -> its text, for sentence_spans
+        self.generic_share = GENERIC_SHARE  # "question+generic": the generic query's share of the kept cells
 
     def set_evictor(self, name: str, **options) -> None:
         """The evictor that ranks the cells room-making evicts; it may need nothing but the probe."""
         ev = get_evictor(name, **options)
-        if not ev.needs <= {"probe"}:
-            raise ValueError(f"evictor {name!r} needs {', '.join(sorted(ev.needs - {'probe'}))}, which room-making "
-                             "does not provide; choose one that reads only the probe (snapkv, pyramidkv, "
-                             "streamingllm, random)")
+        if not ev.needs <= ROOM_PROVIDES:
+            raise ValueError(f"evictor {name!r} needs {', '.join(sorted(ev.needs - ROOM_PROVIDES))}, which room-making "
+                             "does not provide; choose one that reads only the probe (snapkv, snapkv-spans, "
+                             "pyramidkv, streamingllm, random)")
         self._evictor = ev
 
     @property
@@ -185,7 +202,8 @@ class RoomMaker:
         return self._evictor
 
     def set_ranking(self, mode: str) -> None:
-        """'question' (the default: the message's own last W tokens rank the cells) or 'recent' (the
+        """'question' (the default: the message's own last W tokens rank the cells), 'question+generic' (the
+        question ranks 1 - generic_share of the kept cells, GENERIC_QUERY the rest) or 'recent' (the
         conversation's newest queries, the earlier ranking, kept to compare)."""
         self.ranking = check_room_ranking(mode)
 
@@ -212,7 +230,7 @@ class RoomMaker:
             return prefill(toks)
         point = save()
         room = _room()
-        question = list(toks[-W:]) if self.ranking == "question" else None
+        question = list(toks[-W:]) if self.ranking != "recent" else None
         try:
             held = ctx.page.positions(0)
             tokens = conv.tokens_at(held)
@@ -278,13 +296,20 @@ class RoomMaker:
         if n_rank < cand.size:
             if n_rank:
                 # "recent" is the ranking as it was: the engine's evictor (if it reads only the probe), unpooled
-                ev = self.evictor if self.ranking == "question" else (
+                ev = self.evictor if self.ranking != "recent" else (
                     rules.evictor if rules.evictor.needs <= {"probe"} else get_evictor("snapkv"))
                 probe = self._ranking_probe(held, tokens, probe, question, room)
                 # the evictor ranks the unprotected cells only: the protected ones cost it nothing
-                inp = EvictionInput(held=cand, budget=n_rank, window=np.zeros(0, np.int32), n_sink=0, probe=probe,
-                                    seed=rules.seed)
-                drop = np.setdiff1d(cand, ev.select(inp), assume_unique=True)
+                spans = self.spans(conv, cand) if "spans" in ev.needs else None
+                n_gen = int(n_rank * self.generic_share) if question and self.ranking == "question+generic" else 0
+                keep = select_kept(ev, cand, n_rank - n_gen, probe, spans, rules.seed)
+                if n_gen:  # the generic query's share, from what the question's did not keep
+                    generic = self.model.tokenize(GENERIC_QUERY, add_special=False)[-W:]
+                    gprobe = self._ranking_probe(held, tokens, None, generic, room)
+                    rest = ~np.isin(cand, keep)
+                    keep = np.union1d(keep, select_kept(ev, cand[rest], n_gen, gprobe,
+                                                        None if spans is None else spans[rest], rules.seed))
+                drop = np.setdiff1d(cand, keep, assume_unique=True)
             else:
                 drop = cand
             ctx.page.evict(0, drop)
@@ -297,6 +322,20 @@ class RoomMaker:
             room["from"] = (lo, hi) if room["from"] is None else (min(lo, room["from"][0]), max(hi, room["from"][1]))
         if ctx.cells_used(0) + need + 1 > n_ctx:
             raise ContextFull(ctx.cells_used(0), need + 1, n_ctx)
+
+    def spans(self, conv: Transcript, held: np.ndarray) -> np.ndarray:
+        """i64 (len(held),): the sentence each held position belongs to, cut from the conversation's whole text
+        (evicted tokens included, so that a sentence whose stop was evicted still ends there)."""
+        hist = conv.history
+        pieces = [self._piece(t) for t in hist]
+        ids = sentence_spans(pieces, lambda i: self.model.is_control(hist[i]))
+        return ids[conv.indices_of(held)]
+
+    def _piece(self, tok: int) -> str:
+        p = self._pieces.get(tok)
+        if p is None:
+            p = self._pieces[tok] = self.model.token_to_piece(int(tok), special=True).decode("utf-8", "replace")
+        return p
 
     def _ranking_probe(self, held: np.ndarray, tokens: np.ndarray, probe, question: list[int] | None, room: dict):
         """The probe whose queries rank the held cells. With a question: its tokens are decoded right after
@@ -352,6 +391,16 @@ class RoomMaker:
             ctx.seq_add(0, p0, p1, delta)
         room["closed"] += int(held[-1]) + 1 - int(held.size) if held.size else 0
         conv.pos = renumber(np.asarray(conv.pos, dtype=np.int64), held).tolist()
+
+
+def select_kept(ev, cand: np.ndarray, n: int, probe, spans: np.ndarray | None, seed: int) -> np.ndarray:
+    """i32 (min(n, len(cand)),): the cells of cand (ascending positions) that evictor ev keeps, n of them,
+    ranked by probe; spans: i64 (len(cand),) for an evictor that needs them."""
+    if n <= 0:
+        return np.zeros(0, np.int32)
+    inp = EvictionInput(held=cand, budget=n, window=np.zeros(0, np.int32), n_sink=0, probe=probe, spans=spans,
+                        seed=seed)
+    return ev.select(inp)
 
 
 def tell_room(dec: Decision, room: dict, add: bool = False) -> None:

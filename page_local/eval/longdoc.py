@@ -16,10 +16,17 @@ Engine.snapshot(), and restored for each question, which then prefills only its 
 Policies (POLICIES), greedy answers of at most max_tokens, on the same documents:
 * full         the full cache: an engine whose context holds the whole prompt and its answer; shared: the
                prompt up to where the questions differ (the document).
-* room         room on demand, ranked by the question (engine/room.py, today's default: on_full "evict",
+* room         room on demand, ranked by the question (engine/room.py: on_full "evict",
                gate never); shared: the first part room-making reads before it evicts anything (its
                size as RoomMaker.fit chooses it: half of the context less the answer's room), then the
-               rest of the message goes through room-making, ranked by the message's last W tokens.
+               rest of the message goes through room-making, ranked by the message's last W tokens, each
+               cell by SnapKV's score pooled over 15 neighbours (ROOM_POOLED: room.ROOM_EVICTOR as it was
+               when this evaluation began; the rows keep that meaning whatever the default becomes).
+* room-spans   the same reading, ranked by the question, with cells kept a sentence at a time (snapkv-spans,
+               evictors/spans.py: a sentence's score is the sum of its cells'; room's default since issue 43).
+* room-both    the same reading, kept a sentence at a time, the kept cells shared between the question and a
+               generic query (room ranking "question+generic": GENERIC_SHARE of them ranked by KVzip's
+               "Repeat the previous context exactly."), so that a second question about another fact finds it.
 * room-recent  the same, ranked by the newest queries (the ranking before issue 28), to compare.
 * shift        llama.cpp's context shift (llama-server's prompt truncation with --context-shift): keep the
                first n_keep tokens (the system prompt and the turn's header, at least N_SINK) and discard
@@ -33,6 +40,12 @@ shift and truncate fit to n_ctx - max_tokens - 1 (the answer never needs a shift
 document where its LONGEST question needs it, so that every question of a document shares one reading:
 for a shorter question Ollama would keep a few more tokens of the document (as many as the questions
 differ in length), llama-server rarely one block more.
+
+The second-question mode (second=True, `--second`; issue 43, item 3): after each question's answer, the next
+turn asks about the next fact of the document (question q + 1, mod FACTS), in the same conversation, as a
+chat client sends it (the template's rendering of both turns, less what the cache already holds). Its
+rows carry turns=2 and second, second_expected, second_answer, second_correct, second_ttft_s; write them to
+their own file.
 
 Rows (JSONL, one per (document, question, policy), written as each finishes; a rerun with the same out
 skips the rows there): KEY_FIELDS, depth, expected, answer, correct, ttft_s (the shared reading's time
@@ -55,22 +68,30 @@ from typing import Callable, Iterable, Sequence
 from page_local.chat.session import ChatSession
 from page_local.chat.template import ChatTemplate
 from page_local.engine.engine import Engine
-from page_local.engine.room import answer_room, part_size
+from page_local.engine.room import ROOM_POOLED, answer_room, part_size
 from page_local.engine.turn import N_SINK
+from page_local.errors import ContextFull
 from page_local.eval.conversations import _document, _prose
 from page_local.eval.rows import read_rows
 from page_local.tasks import synthetic
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
-POLICIES = ("full", "room", "room-recent", "shift", "truncate", "server")
-RUN = ("full", "room", "room-recent", "shift", "truncate")  # the policies that run (server: a 400, no run)
+POLICIES = ("full", "room", "room-spans", "room-both", "room-recent", "shift", "truncate", "server")
+# the policies that run (server: a 400, no run)
+RUN = ("full", "room", "room-spans", "room-both", "room-recent", "shift", "truncate")
+ROOM = ("room", "room-spans", "room-both", "room-recent")  # the policies that make room at the wall
+# each room policy's evictor: "room" and "room-recent" are pinned to the pooled ranking their rows were made with
+ROOM_EVICTORS = {"room": ROOM_POOLED, "room-recent": ROOM_POOLED, "room-spans": ("snapkv-spans", {}),
+                 "room-both": ("snapkv-spans", {})}
+ROOM_RANKING = {"room-recent": "recent", "room-both": "question+generic"}  # else "question"
 N_CTXS = (512, 1024)
 LENGTHS = (2, 4)
 FACTS = 4  # facts (and questions) per document: one in each quarter of its depth
 DEPTHS = ((0.05, 0.25), (0.3, 0.5), (0.55, 0.75), (0.8, 0.95))
 OLLAMA_NUM_KEEP = 4
 PILOT_QUESTIONS = 3
-KEY_FIELDS = ("model", "n_ctx", "length", "policy", "doc", "question", "max_tokens", "seed")
+# turns: 2 in the second-question mode (absent otherwise, as in the rows written before it existed)
+KEY_FIELDS = ("model", "n_ctx", "length", "policy", "doc", "question", "max_tokens", "seed", "turns")
 INTRO = "Read this document. I will ask you about the codes in it.\n\n"
 # (what, where): the fact "The {what} for the {name} {where} is {code}." and its question
 KINDS = (("door code", "office"), ("vault combination", "archive"), ("locker number", "gym"),
@@ -172,7 +193,7 @@ def reading(policy: str, prompts: Sequence[Sequence[int]], n_ctx: int, max_token
     limit = n_ctx - max_tokens - 1  # shift and truncate: the prompt and its answer fit, never shifted
     if policy == "full":
         head, cut = lcp, None
-    elif policy in ("room", "room-recent"):
+    elif policy in ROOM:
         head, cut = min(lcp, room_first_part(n_ctx, max_tokens)), None
     elif policy in ("truncate", "shift"):
         keep = OLLAMA_NUM_KEEP if policy == "truncate" else max(N_SINK, n_keep)
@@ -218,18 +239,23 @@ class Prompter:
         return len(self.model.tokenize(text, add_special=False))
 
     def tokens(self, message: str) -> list[int]:
-        return self.model.tokenize(self.template.render([{"role": "user", "content": message}], True),
-                                   add_special=True)
+        return self.model.tokenize(self.render([("user", message)]), add_special=True)
+
+    def render(self, turns: Sequence[tuple[str, str]]) -> str:
+        """(role, content) turns rendered with the template, the assistant's turn opened."""
+        return self.template.render([{"role": r, "content": c} for r, c in turns], True)
 
     def measure(self, message: str) -> int:
         return len(self.tokens(message))
 
 
 def set_policy(eng: Engine, policy: str) -> Engine:
-    """The gate never evicts for speed; room and room-recent make room at the wall, the others refuse."""
+    """The gate never evicts for speed; the room policies make room at the wall, the others refuse."""
     eng.set_gate("never")
-    eng.on_full = "evict" if policy in ("room", "room-recent") else "refuse"
-    eng.set_room_ranking("recent" if policy == "room-recent" else "question")
+    eng.on_full = "evict" if policy in ROOM else "refuse"
+    eng.set_room_ranking(ROOM_RANKING.get(policy, "question"))
+    name, options = ROOM_EVICTORS.get(policy, ROOM_POOLED)
+    eng.set_room_evictor(name, **options)
     return eng
 
 
@@ -262,6 +288,27 @@ def ask(eng: Engine, snap, suffix: Sequence[int], max_tokens: int) -> dict:
                 held=held, room_evicted=d.room_evicted, chunks=d.chunks)
 
 
+def ask_next(eng: Engine, prompter: Prompter, first: str, answer: str, second: str, max_tokens: int) -> dict:
+    """The next turn of the conversation `ask` left (its message `first`, its answer `answer`): the message
+    `second`, rendered after both as a chat client sends it, less the text the cache already holds."""
+    before = prompter.render([("user", first)]) + answer
+    after = prompter.render([("user", first), ("assistant", answer), ("user", second)])
+    delta = after[len(os.path.commonprefix([before, after])):]
+    t0 = time.perf_counter()
+    s = eng.stream(eng.model.tokenize(delta, add_special=False), max_tokens=max_tokens, add_special=False)
+    pieces, first_s, refused = [], None, None
+    try:
+        for piece in s:
+            if first_s is None:
+                first_s = time.perf_counter() - t0
+            pieces.append(piece)
+    except ContextFull as e:  # shift and truncate fit the first turn only (they never make room): refused
+        refused = str(e)
+    own = time.perf_counter() - t0
+    return dict(answer="".join(pieces), first_s=first_s if first_s is not None else own, own_s=own,
+                room_evicted=s.decision.room_evicted if s.decision is not None else 0, refused=refused)
+
+
 def _key(row: dict) -> tuple:
     return tuple(json.dumps(row.get(k)) for k in KEY_FIELDS)
 
@@ -273,7 +320,7 @@ class LongDocRun:
 
     def __init__(self, model_path, out, docs: int = 25, questions: int = FACTS, n_ctxs: Sequence[int] = N_CTXS,
                  lengths: Sequence[float] = LENGTHS, policies: Sequence[str] = POLICIES, max_tokens: int = 32,
-                 seed: int = 42, threads: int = 2, engine_options: dict | None = None):
+                 seed: int = 42, threads: int = 2, engine_options: dict | None = None, second: bool = False):
         from page_local.store.gguf import gguf_metadata, model_identity
 
         bad = [p for p in policies if p not in POLICIES]
@@ -292,6 +339,9 @@ class LongDocRun:
         self.engine_options = dict(engine_options or {})
         self.base = dict(model=model_identity(model_path), model_name=gguf_metadata(model_path).get("general.name"),
                          max_tokens=max_tokens, seed=seed)
+        self.second = bool(second)
+        if self.second:  # a key field only here: the rows of the one-question mode keep their keys
+            self.base["turns"] = 2
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.done = {_key(r) for r in read_rows(self.out, repair=True)}
         self._engines: dict[str, Engine] = {}
@@ -377,13 +427,26 @@ class LongDocRun:
             o = ask(eng, snap, r.suffix[q], self.max_tokens)
             fact = doc.facts[q]
             correct = string_match_all(normalize_prediction(o["answer"]), [fact.code]) == 1.0
-            write(dict(self.row_base(cell, d, q, policy), kind=fact.what, depth=fact.depth, expected=fact.code,
+            row = dict(self.row_base(cell, d, q, policy), kind=fact.what, depth=fact.depth, expected=fact.code,
                        answer=o["answer"], correct=correct, finish=o["finish"], gen_tokens=o["gen_tokens"],
                        ttft_s=round(shared_s + o["first_s"], 4), decode_tok_s=o["decode_tok_s"],
                        shared_s=round(shared_s, 4), own_s=round(o["own_s"], 4),
                        cost_s=round(shared_s / self.questions + o["own_s"], 4), prompt_tokens=len(prompts[q]),
                        read_tokens=r.held[q], held=o["held"], shared_tokens=len(r.shared),
-                       room_evicted=o["room_evicted"], chunks=o["chunks"]))
+                       room_evicted=o["room_evicted"], chunks=o["chunks"])
+            if self.second:  # the next turn: the next fact
+                q2 = (q + 1) % FACTS
+                o2 = ask_next(eng, self.prompter, doc.message(q), o["answer"],
+                              QUESTION.format(**doc.facts[q2].__dict__), self.max_tokens)
+                f2 = doc.facts[q2]
+                row.update(second=q2, second_kind=f2.what, second_depth=f2.depth, second_expected=f2.code,
+                           second_answer=o2["answer"], second_ttft_s=round(o2["first_s"], 4),
+                           second_correct=string_match_all(normalize_prediction(o2["answer"]), [f2.code]) == 1.0,
+                           second_room_evicted=o2["room_evicted"])
+                if o2["refused"]:
+                    row["second_error"] = o2["refused"]
+                row["cost_s"] = round(row["cost_s"] + o2["own_s"], 4)
+            write(row)
 
     def run(self, progress: Callable[[int, int], None] | None = None, units=None) -> dict:
         """Every unit still to do (or `units`, a part of them), rows appended to out; progress(done, total):
@@ -445,5 +508,5 @@ class LongDocRun:
         self.close()
 
 
-def default_out(model_path: str | os.PathLike) -> Path:
-    return Path(f"results/longdoc-{Path(model_path).stem}.jsonl")
+def default_out(model_path: str | os.PathLike, second: bool = False) -> Path:
+    return Path(f"results/longdoc-{Path(model_path).stem}{'-second' if second else ''}.jsonl")

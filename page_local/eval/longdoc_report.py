@@ -5,7 +5,8 @@
 Per (policy, length, n_ctx): accuracy with its 95 % Wilson interval, the questions paired with the full
 cache (this policy right and the full cache wrong / the full cache right and this policy wrong), the mean
 time to first token (a question alone: the shared reading and its own), decode tok/s, and the cost of a
-question (the shared reading divided among the document's questions, plus the question's own time).
+question (the shared reading divided among the document's questions, plus the question's own time). Rows of
+the second-question mode (turns=2) are summarized apart, with the second question's accuracy and its pairs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections import defaultdict
 from page_local.eval.longdoc import POLICIES
 from page_local.eval.report import _table
 
-LABEL = {"full": "full cache", "room": "room, ranked by the question (default)",
+LABEL = {"full": "full cache", "room": "room, ranked by the question, pooled cells",
+         "room-spans": "room, ranked by the question, whole sentences (default)",
+         "room-both": "room, ranked by the question and a generic query, whole sentences",
          "room-recent": "room, ranked by the newest queries", "shift": "context shift (llama.cpp)",
          "truncate": "truncation (Ollama)", "server": "llama-server (400 over the context)"}
 Z95 = 1.959964
@@ -41,24 +44,33 @@ def _mean(xs) -> float | None:
 def summarize(rows: list[dict]) -> list[dict]:
     """One entry per (n_ctx, length, policy): n, correct, accuracy, its interval, the pairs against the full
     cache on the same (document, question), mean TTFT, tok/s and cost per question."""
-    by = defaultdict(dict)  # (model, n_ctx, length, policy) -> {(doc, question): row}
+    by = defaultdict(dict)  # (model, turns, n_ctx, length, policy) -> {(doc, question): row}
     for r in rows:
-        by[(r["model"], r["n_ctx"], r["length"], r["policy"])][(r["doc"], r["question"])] = r
+        by[(r["model"], r.get("turns", 1), r["n_ctx"], r["length"], r["policy"])][(r["doc"], r["question"])] = r
     out = []
     order = {p: i for i, p in enumerate(POLICIES)}
-    for (model, n_ctx, length, policy), qs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
-                                                                                    order.get(kv[0][3], 99))):
+    for (model, turns, n_ctx, length, policy), qs in sorted(by.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][2], kv[0][3], order.get(kv[0][4], 99))):
         k, n = sum(bool(r["correct"]) for r in qs.values()), len(qs)
-        full = by.get((model, n_ctx, length, "full"), {})
+        full = by.get((model, turns, n_ctx, length, "full"), {})
         both = [q for q in qs if q in full]
         lo, hi = wilson(k, n)
-        out.append(dict(model=model, n_ctx=n_ctx, length=length, policy=policy, n=n, correct=k,
+        second = {}
+        if turns == 2:  # the next turn's question, paired with the full cache's
+            k2 = sum(bool(r.get("second_correct")) for r in qs.values())
+            second = dict(second_correct=k2, second_accuracy=k2 / n if n else None, second_ci=wilson(k2, n),
+                          second_wins=sum(bool(qs[q].get("second_correct")) and not full[q].get("second_correct")
+                                          for q in both),
+                          second_losses=sum(bool(full[q].get("second_correct")) and not qs[q].get("second_correct")
+                                            for q in both))
+        out.append(dict(model=model, turns=turns, n_ctx=n_ctx, length=length, policy=policy, n=n, correct=k,
                         accuracy=k / n if n else None, ci=(lo, hi), paired=len(both),
                         wins=sum(bool(qs[q]["correct"]) and not full[q]["correct"] for q in both),
                         losses=sum(bool(full[q]["correct"]) and not qs[q]["correct"] for q in both),
                         ttft_s=_mean(r.get("ttft_s") for r in qs.values()),
                         tok_s=_mean(r.get("decode_tok_s") for r in qs.values()),
-                        cost_s=_mean(r.get("cost_s") for r in qs.values()) if policy != "server" else None))
+                        cost_s=_mean(r.get("cost_s") for r in qs.values()) if policy != "server" else None,
+                        **second))
     return out
 
 
@@ -73,14 +85,32 @@ def markdown(summary: list[dict]) -> str:
     for m in models:
         if len(models) > 1:
             lines += [f"## {m}", ""]
-        rows = []
-        for s in (s for s in summary if s["model"] == m):
-            acc = f"{s['accuracy']:.2f} [{s['ci'][0]:.2f}, {s['ci'][1]:.2f}]" if s["n"] else "–"
-            pair = "–" if s["policy"] == "full" or not s["paired"] else f"{s['wins']} / {s['losses']}"
-            rows.append((s["n_ctx"], f"{s['length']:g}×", LABEL.get(s["policy"], s["policy"]),
-                         f"{s['correct']}/{s['n']}", acc, pair, _f(s["ttft_s"]), _f(s["tok_s"]), _f(s["cost_s"])))
-        lines += [_table(("n_ctx", "length", "policy", "right", "accuracy (95 % Wilson)",
-                          "vs full: it right & full wrong / full right & it wrong", "TTFT (s)", "decode tok/s",
-                          "cost per question (s)"), rows), ""]
+        for turns in sorted({s.get("turns", 1) for s in summary if s["model"] == m}):
+            part = [s for s in summary if s["model"] == m and s.get("turns", 1) == turns]
+            lines += _turns_table(part, turns)
     lines.append("llama-server's row is 0 by definition: a prompt over the context is refused (400); nothing runs.")
     return "\n".join(lines) + "\n"
+
+
+def _acc(k: int, n: int, ci) -> str:
+    return f"{k / n:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if n else "–"
+
+
+def _turns_table(summary: list[dict], turns: int) -> list[str]:
+    rows = []
+    for s in summary:
+        pair = "–" if s["policy"] == "full" or not s["paired"] else f"{s['wins']} / {s['losses']}"
+        row = (s["n_ctx"], f"{s['length']:g}×", LABEL.get(s["policy"], s["policy"]), f"{s['correct']}/{s['n']}",
+               _acc(s["correct"], s["n"], s["ci"]), pair)
+        if turns == 2:
+            pair2 = ("–" if s["policy"] == "full" or not s["paired"] else
+                     f"{s['second_wins']} / {s['second_losses']}")
+            row += (f"{s['second_correct']}/{s['n']}", _acc(s["second_correct"], s["n"], s["second_ci"]), pair2)
+        rows.append(row + (_f(s["ttft_s"]), _f(s["tok_s"]), _f(s["cost_s"])))
+    head = ("n_ctx", "length", "policy", "right", "accuracy (95 % Wilson)",
+            "vs full: it right & full wrong / full right & it wrong")
+    if turns == 2:
+        head = head[:3] + ("first right", "first accuracy (95 % Wilson)", "first vs full", "second right",
+                           "second accuracy (95 % Wilson)", "second vs full")
+    title = ["## The second question: the next turn asks about another fact", ""] if turns == 2 else []
+    return title + [_table(head + ("TTFT (s)", "decode tok/s", "cost per question (s)"), rows), ""]

@@ -12,26 +12,32 @@ from page_local.evictors.lorekv import LoreKV, LoreKVAnswer
 from page_local.evictors.pyramidkv import PyramidKV
 from page_local.evictors.random_keep import RandomKeep
 from page_local.evictors.snapkv import SnapKV
+from page_local.evictors.spans import SnapKVSpans
 from page_local.evictors.streamingllm import StreamingLLM
 from page_local.evictors.tova import TOVA
 
 EVICTORS: dict[str, type[Evictor]] = {
     cls.name: cls for cls in (SnapKV, StreamingLLM, H2O, TOVA, KNorm, PyramidKV, RandomKeep, LoreKV, LoreKVAnswer)
 }
+# Evictors that need what only room-making provides (the token text's sentences: "spans"); the speed budget's
+# pipeline does not, so they are not offered where it is chosen (--evictor) and Engine.set_evictor refuses them.
+ROOM_ONLY: dict[str, type[Evictor]] = {cls.name: cls for cls in (SnapKVSpans,)}
 
 DEFAULT_EVICTOR = "snapkv"
 
 
 def get_evictor(name: str, **options) -> Evictor:
-    """An evictor instance by registry name; `options` go to its constructor (e.g. pool="avg")."""
+    """An evictor instance by registry name (EVICTORS or ROOM_ONLY); `options` go to its constructor (e.g.
+    pool="avg")."""
+    every = {**EVICTORS, **ROOM_ONLY}
     try:
-        cls = EVICTORS[name]
+        cls = every[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown evictor {name!r}; valid names: {', '.join(sorted(EVICTORS))}") from None
+        raise ValueError(f"unknown evictor {name!r}; valid names: {', '.join(sorted(every))}") from None
     try:
         return cls(**options)
     except TypeError as e:  # an option the class does not take
         raise ValueError(f"bad options for evictor {name!r}: {e}") from None
 
 
-__all__ = ["EVICTORS", "DEFAULT_EVICTOR", "EvictionInput", "Evictor", "get_evictor", "resolve_budget"]
+__all__ = ["EVICTORS", "ROOM_ONLY", "DEFAULT_EVICTOR", "EvictionInput", "Evictor", "get_evictor", "resolve_budget"]

@@ -20,7 +20,8 @@ import numpy as np
 
 from page_local.probe import ProbeResult
 
-NEEDS = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead"})
+NEEDS = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead",
+                   "spans"})
 POOLS = ("none", "avg", "max")
 
 
@@ -38,6 +39,7 @@ class EvictionInput:
     key_norms: np.ndarray | None = None  # f32 (n_layer, n_head_kv, T)
     lookahead: object | None = None  # page_local.lookahead.Lookahead (LORE-KV): costs over its own positions
     answer_lookahead: object | None = None  # the same, scored by the full cache's answer (lorekv-answer)
+    spans: np.ndarray | None = None  # i64 (T,) the span (sentence) each held position belongs to (snapkv-spans)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -52,6 +54,12 @@ class EvictionInput:
         if not np.all(np.isin(window, held)):
             missing = np.setdiff1d(window, held)[:5].tolist()
             raise ValueError(f"window positions {missing} are not held")
+        if self.spans is not None:
+            spans = np.asarray(self.spans)
+            if spans.shape != held.shape or (spans.size and not np.issubdtype(spans.dtype, np.integer)):
+                raise ValueError(f"spans must be integers aligned with held {held.shape}, got {spans.dtype} "
+                                 f"{spans.shape}")
+            object.__setattr__(self, "spans", spans.astype(np.int64, copy=False))
         if isinstance(self.budget, bool) or not isinstance(self.budget, numbers.Integral) \
                 or self.budget < 1:
             raise ValueError(f"budget must be an int >= 1 (use resolve_budget for ratios), got {self.budget!r}")
