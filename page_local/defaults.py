@@ -5,6 +5,7 @@ BUDGET = 0.25  # fraction of the prompt's cells kept when the gate opens (or an 
 # (docs/results.md "Conversations"): an eviction checked on the current answer still loses facts a
 # later turn asks about (SmolLM2 0.52 vs 0.58 overall, Qwen2.5-Coder 1x 0.83 vs 1.00).
 CHAT_BUDGET = 1.0
+CHAT_PARK = False  # chat and serve: a speed budget below 1 parks cells (engine/parking.py) instead of deleting them
 EVICTOR = "snapkv"
 GATE = "verify"  # self-verification: the answer is checked on the evicted cache before it is committed
 N_CTX = 4096

@@ -31,7 +31,7 @@ def test_run_streams_the_answer(cli):
     assert res.exit_code == 0, res.output
     assert res.stdout.startswith(" Paris") and res.stdout.endswith("\n")
     footer = res.stderr.strip().splitlines()[-1]  # the default gate, verify, on a prompt within the budget
-    assert footer.startswith("[nothing to evict (T ") and "; 4 tokens at " in footer and "; finish: length; " in footer
+    assert footer.startswith("[full cache kept: ") and "; 4 tokens at " in footer and "; finish: length; " in footer
     res = cli("run", "--prompt", PROMPT, "--gate", "page", *SMALL)
     assert res.stderr.strip().splitlines()[-1].startswith("[gate closed (D ")
 
@@ -165,7 +165,7 @@ def test_run_context_full(cli):
 def test_run_reads_a_prompt_longer_than_the_context_in_parts(cli):
     res = cli("run", "--prompt", "The grass is green. " * 80 + "What colour is the grass?", *SMALL)
     assert res.exit_code == 0, res.output
-    assert "made room:" in res.output and "read in" in res.output and "tokens held" in res.output, res.output
+    assert "earlier tokens deleted to make room" in res.output and "read in" in res.output and "tokens held" in res.output, res.output
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -223,7 +223,7 @@ def test_run_output_is_clean(tmp_path):
     p = _page_local("run", "--prompt", PROMPT, *SMALL, env={"PAGE_LOCAL_HOME": str(tmp_path)})
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(" Paris") and p.stdout.count("\n") == 1, p.stdout
-    assert p.stderr.count("\n") == 1 and p.stderr.startswith("[nothing to evict"), p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("[full cache kept: "), p.stderr
 
 
 def test_verbose_shows_every_level(tmp_path):

@@ -30,7 +30,7 @@ CASES = {
     "verify-nothing-to-evict": (
         decision(T=37, B=1024, kept=37, verify_m=0, verify_rule="argmax", verify_score=0.0, verify_threshold=0.0,
                  **VERIFY),
-        "nothing to evict (T 37 <= budget 1024)"),
+        "full cache kept: 37 tokens, within the speed budget of 1024"),
     "verify-no-room": (
         decision(T=638, B=159, kept=638, verify_rule="argmax", verify_threshold=0.0, **VERIFY),
         "verify skipped (no room in the cache for the candidate): full cache of 638 kept"),
@@ -64,7 +64,7 @@ CASES = {
         "evicted to 159 of 638 (gate always, unchecked)"),
     "always-nothing-to-evict": (
         decision(T=37, B=1024, open=True, gate_mode="always", rule="forced"),
-        "nothing to evict (T 37 <= budget 1024)"),
+        "full cache kept: 37 tokens, within the speed budget of 1024"),
     "never": (
         decision(T=638, B=159, gate_mode="never", rule="forced"),
         "full cache of 638 kept (gate never)"),
@@ -130,10 +130,10 @@ def test_room_making_is_told_after_what_the_turn_did():
                  room_evicted=933, room_from=(28, 1863), chunks=3, prompt_tokens=4494, prompt_held=3561)
     s = narrate.status(d)
     assert s.startswith("evicted to 1123 of 4494, verified")
-    assert "made room: 933 earlier cells evicted (unchecked); read in 3 parts, 3561 of its 4494 tokens held" in s
+    assert "context full: 933 earlier tokens deleted to make room (unchecked); read in 3 parts, 3561 of its 4494 tokens held" in s
     assert "positions 28-1863" in narrate.why(d) and "not checked" in narrate.why(d)
     plain = decision(T=638, B=159, kept=638, open=False, evicted=False, gate_mode="page", rule="raw", D=0.02)
-    assert narrate.room_words(plain) is None and "made room" not in narrate.status(plain)
+    assert narrate.room_words(plain) is None and "context full" not in narrate.status(plain)
 
 
 def test_budget_search_is_told_by_its_rungs():

@@ -65,7 +65,7 @@ def test_answer_streams_then_the_status_line(fake):
     assert [(m.role, m.content) for m in repl.session.messages] == [
         ("user", "What is the capital of France?"), ("assistant", " Paris.")]
     assert out().startswith(" Paris.\n")
-    assert last_line(out()) == f"nothing to evict (T 40 <= budget 1024) · {TOK_S:.1f} tok/s · 42/2048 cells"
+    assert last_line(out()) == f"full cache kept: 40 tokens, within the speed budget of 1024 · {TOK_S:.1f} tok/s · 42/2048 cells"
 
 
 def test_read_essay_refused_by_verify_says_so(fake, tmp_path):
@@ -695,7 +695,7 @@ def test_cli_chat_from_piped_stdin(smollm2_path):
                                         "--budget", "1024"], input="hello\n/stats\n/exit\n")
     assert res.exit_code == 0, res.output
     assert "page-local chat" in res.output and "budget 1024" in res.output
-    assert "nothing to evict (T " in res.output and "last decision" in res.output
+    assert "full cache kept: " in res.output and "last decision" in res.output
 
 
 def test_cli_chat_eof_exits(smollm2_path):

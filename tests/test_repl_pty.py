@@ -133,8 +133,8 @@ def status_line(out: str) -> str:
     lines = [ln for ln in out.splitlines() if " cells" in ln]
     assert lines, f"no status line in {out!r}"
     line = lines[-1]
-    assert re.search(r"^(evicted to \d+ of \d+|verify refused: full cache of \d+ kept|nothing to evict \(T \d+ "
-                     r"<=|not verified \(.*\): full cache of \d+ kept).* · [\d.]+ tok/s · \d+/2048 cells", line), line
+    assert re.search(r"^(evicted to \d+ of \d+|verify refused: full cache of \d+ kept|full cache kept: \d+ tokens, within the speed budget of \d+"
+                     r"|not verified \(.*\): full cache of \d+ kept).* · [\d.]+ tok/s · \d+/2048 cells", line), line
     return line
 
 
@@ -150,7 +150,7 @@ def kept_of(out: str) -> tuple[int, int]:
     m = re.match(r"evicted to (\d+) of (\d+)", line)
     if m:
         return int(m.group(1)), int(m.group(2))
-    m = re.search(r"full cache of (\d+) kept|nothing to evict \(T (\d+)", line)
+    m = re.search(r"full cache of (\d+) kept|full cache kept: (\d+) tokens", line)
     T = int(m.group(1) or m.group(2))
     return T, T
 

@@ -84,6 +84,20 @@ def test_cache_map_places_tokens_in_messages_and_the_answer():
         held.cache_map(mask, room, pieces, text, ["sys"], answer[:1], "ok", 16)
 
 
+def test_parked_tokens_are_their_own_class():
+    """Parked tokens (engine/parking.py: in memory, out of the attention) are neither held nor deleted."""
+    text = "[S]sys[U]doc one[A]"
+    pieces = [b"[S]", b"sys", b"[U]", b"doc", b" one", b"[A]"]
+    mask = np.array([1, 1, 1, 0, 0, 1, 1, 0], dtype=bool)
+    room = np.array([0, 0, 0, 1, 0, 0, 0, 0], dtype=bool)
+    parked = np.array([0, 0, 0, 0, 1, 0, 0, 0], dtype=bool)
+    cm = held.cache_map(mask, room, pieces, text, ["sys", "doc one"], [b"ok", b"!"], "ok!", 16, parked=parked)
+    assert cm["parked_cells"] == 1 and cm["parked"] == [[4, 5]] and cm["cells"] == 5
+    assert cm["evicted"] == [{"from": 3, "to": 4, "why": "room"}, {"from": 7, "to": 8, "why": "speed"}]
+    assert {"message": 1, "start": 3, "end": 7, "state": "parked"} in cm["spans"]
+    assert held.states(mask, room, parked)[3:5] == ["room", "parked"]
+
+
 def test_a_message_the_template_changed_is_not_marked():
     assert held.message_ranges("[U]abc[U]x y", ["abc", "zzz", "x y"]) == [(3, 6), None, (9, 12)]
 

@@ -2,7 +2,8 @@
 page-local beside the full cache, measured side by side in one run.
 
 page-local is the Engine as `page-local chat` gives it (no eviction for speed, defaults.CHAT_BUDGET;
-room on demand at the wall; `budget` sets a speed budget instead, under the verify gate) in a context of n_ctx; the full cache is a ChatSession on a context large enough for the
+room on demand at the wall; `budget` sets a speed budget instead, under the verify gate; `park`: that budget
+parks cells, engine/parking.py) in a context of n_ctx; the full cache is a ChatSession on a context large enough for the
 whole chat (capped at the model's trained context: past it the full cache no longer fits, and the
 later turns are page-local's alone). Every turn is sent to both chats, one after the other, in an
 order that alternates from turn to turn and from repeat to repeat; per turn the medians over the
@@ -53,7 +54,7 @@ def _turn(chat: ChatSession, message: str, gen: int) -> dict:
     d, r = s.decision, s.result
     return dict(ttft_s=first if first is not None else time.perf_counter() - t0, tok_s=r.tokens_per_s,
                 gen_tokens=len(r.tokens), T=d.T, cells=chat.engine.cells_used(), room_evicted=d.room_evicted,
-                chunks=d.chunks, speed_evicted=d.evicted)
+                chunks=d.chunks, speed_evicted=d.evicted, parked=d.parked, restored=d.restored)
 
 
 def _med(runs: list[dict], key: str) -> float:
@@ -87,7 +88,8 @@ def _stock_chat(bin_dir, model_path, messages: list[str], n_ctx: int, gen: int, 
 
 def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 3.0, gen: int = 32,
                repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
-               budget: float | int = defaults.CHAT_BUDGET, peer_bin=None, rpc=None, attention_settings=None) -> dict:
+               budget: float | int = defaults.CHAT_BUDGET, peer_bin=None, rpc=None, attention_settings=None,
+               park: bool = False, park_from: int | None = None) -> dict:
     """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache, and
     stock llama-server when built (peer_bin, else bench/stock.find_bin's default). n_gpu_layers, rpc,
     attention_settings: as Engine's, for both engines."""
@@ -97,13 +99,16 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
                          ("threads", threads, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= {low}, got {v!r}")
-    if not outgrow > 1:
-        raise ValueError(f"--outgrow must be above 1 (the chat outgrows n_ctx), got {outgrow!r}")
+    if not outgrow > 0:
+        raise ValueError(f"--outgrow must be above 0, got {outgrow!r}")
     bin_dir = stock.find_bin(peer_bin)
     runs: dict[str, list[list[dict]]] = {"page_local": [[] for _ in range(turns)], "full": [[] for _ in range(turns)]}
     refusals = 0
     load = dict(n_gpu_layers=n_gpu_layers, rpc=rpc, attention_settings=attention_settings)
-    with Engine(model_path, n_ctx=n_ctx, budget=budget, threads=threads, **load) as pl:
+    parking = dict(park=True) if park else {}
+    if park and park_from is not None:
+        parking["park_from"] = park_from
+    with Engine(model_path, n_ctx=n_ctx, budget=budget, threads=threads, **parking, **load) as pl:
         n_train = pl.model.n_ctx_train
         need = int(outgrow * n_ctx) + turns * (2 * gen + 32) + 256
         full_ctx = min(need, n_train) if n_train > 0 else need
@@ -132,7 +137,8 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
         if p:
             row["page_local"] = dict(ttft_s=round(_med(p, "ttft_s"), 4), tok_s=round(_med(p, "tok_s"), 2),
                                      cells=p[0]["cells"], room_evicted=p[0]["room_evicted"], chunks=p[0]["chunks"],
-                                     speed_evicted=p[0]["speed_evicted"], gen_tokens=p[0]["gen_tokens"])
+                                     speed_evicted=p[0]["speed_evicted"], gen_tokens=p[0]["gen_tokens"],
+                                     parked=p[0]["parked"], restored=p[0]["restored"])
             if wall is None and (p[0]["room_evicted"] or p[0]["chunks"] > 1):
                 wall = k + 1
         if f:
@@ -165,7 +171,8 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
         return round(statistics.median(xs), 4) if xs else None
 
     return {
-        "bench": "chat", "turns": turns, "n_ctx": n_ctx, "budget": budget, "full_n_ctx": full_ctx, "outgrow": outgrow, "gen": gen,
+        "bench": "chat", "turns": turns, "n_ctx": n_ctx, "budget": budget, "park": park, "full_n_ctx": full_ctx,
+        "outgrow": outgrow, "gen": gen,
         "repeats": repeats, "threads": threads,
         "conversation_tokens": per_turn[-1]["conversation_tokens"],
         "first_wall_turn": wall, "full_fits_turns": sum(1 for t in per_turn if "full" in t), "refusals": refusals,

@@ -236,12 +236,17 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
 @click.option("--turns", default=10, show_default=True, type=click.IntRange(min=2))
 @click.option("--n-ctx", "n_ctx", default=1024, show_default=True, type=click.IntRange(min=128),
               help="page-local's context; the full cache gets one large enough for the whole chat.")
-@click.option("--outgrow", default=3.0, show_default=True, type=click.FloatRange(min=1, min_open=True),
-              help="The chat's messages add up to this many times --n-ctx.")
+@click.option("--outgrow", default=3.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="The chat's messages add up to this many times --n-ctx (below 1: the chat stays inside the "
+                   "context, for speed without the wall).")
 @click.option("--gen", default=32, show_default=True, type=click.IntRange(min=1), help="Greedy answer tokens, at most.")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--budget", default=str(defaults.CHAT_BUDGET), show_default=True, type=BudgetType(),
               help="page-local's speed budget (1.0, chat's default: room on demand only).")
+@click.option("--park/--no-park", default=False, show_default=True,
+              help="The speed budget parks cells (each message chooses again) instead of evicting them for good.")
+@click.option("--park-from", default=None, type=click.IntRange(min=0),
+              help="With --park: below this many cells the full cache is kept (default: the engine's).")
 @click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
               help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin, which `make "
                    "peer-server` builds)")
@@ -249,7 +254,8 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, peer_bin, threads, as_json, **load):
+def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_from, peer_bin, threads, as_json,
+               **load):
     """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache, and
     vs stock llama-server (default and best flash-attention path) when it is built."""
     from page_local.bench.chat import chat_speed
@@ -285,4 +291,5 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, peer_bin, thr
 
     path = resolve_model(model)
     _bench(as_json, lambda: chat_speed(path, turns=turns, n_ctx=n_ctx, outgrow=outgrow, gen=gen, repeats=repeats,
-                                       threads=threads, budget=budget, peer_bin=peer_bin, **load), describe)
+                                       threads=threads, budget=budget, park=park, park_from=park_from,
+                                       peer_bin=peer_bin, **load), describe)

@@ -257,7 +257,11 @@ def engine_options(f, budget=defaults.BUDGET):
 
 
 def chat_engine_options(f):
-    """engine_options for conversations (chat, serve): the budget defaults to defaults.CHAT_BUDGET."""
+    """engine_options for conversations (chat, serve): the budget defaults to defaults.CHAT_BUDGET; --park."""
+    f = click.option("--park/--no-park", default=defaults.CHAT_PARK, show_default=True,
+                     help="The speed budget sets cells aside instead of deleting them: they stay in memory, out of "
+                          "the attention, and come back before each message, which chooses again "
+                          "(page_local/engine/parking.py).")(f)
     return engine_options(f, defaults.CHAT_BUDGET)
 
 

@@ -242,7 +242,7 @@ class Repl:
         r, d, e = self.result, self.decision, self.engine
         if r is None or d is None:
             return
-        parts = [narrate.status(d), f"{r.tokens_per_s:.1f} tok/s", f"{e.cells_used()}/{e.n_ctx} cells"]
+        parts = [narrate.status(d), f"{r.tokens_per_s:.1f} tok/s", f"{_cells(e)} cells"]
         if interrupted:
             parts.append("stopped by Ctrl-C (the partial answer is kept)")
         elif r.finish_reason == "context":
@@ -355,7 +355,7 @@ class Repl:
 
     def _stats(self, _arg: str) -> None:
         if self._no_turn():
-            return self.console.print(f"cells {self.engine.cells_used()}/{self.engine.n_ctx}", highlight=False)
+            return self.console.print(f"cells {_cells(self.engine)}", highlight=False)
         d, r = self.decision, self.result
         t = Table(title="last decision", show_header=False)
         t.add_column("field", style="bold")
@@ -376,7 +376,7 @@ class Repl:
         for k, v in (("prompt_tokens", r.prompt_tokens), ("generated", f"{len(r.tokens)} ({r.finish_reason})"),
                      ("tokens/s", f"{r.tokens_per_s:.1f}")):
             t.add_row(k, str(v))
-        t.add_row("cells", f"{self.engine.cells_used()}/{self.engine.n_ctx}")
+        t.add_row("cells", _cells(self.engine))
         t.add_row("device", describe_placement(self.engine.placement))
         self.console.print(t)
 
@@ -546,3 +546,11 @@ def terminal_reader(input=None, output=None) -> Callable[[str], str]:
     session = PromptSession(history=FileHistory(str(home / "history")), key_bindings=keys,
                             input=input, output=output)
     return lambda prompt: session.prompt(prompt)
+
+
+def _cells(engine) -> str:
+    """'42/2048', or with cells parked (engine/parking.py) '580 attended + 1741 set aside/4096'."""
+    parking = getattr(engine, "parking", None)
+    parked = parking.count() if parking is not None else 0
+    used = f"{engine.cells_used()} attended + {parked} set aside" if parked else str(engine.cells_used())
+    return f"{used}/{engine.n_ctx}"

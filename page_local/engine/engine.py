@@ -429,6 +429,16 @@ class Engine:
             room[[i for i in self.conv.room_out if i < room.size]] = True
             return held, room & ~held
 
+    def parked_map(self) -> np.ndarray:
+        """bool (len(history),): the tokens of the conversation parked now (engine/parking.py: in memory, out of
+        the attention, back before the next message)."""
+        with self._busy():
+            out = np.zeros(len(self.history), dtype=bool)
+            parked = self.parking.positions()
+            if parked.size:
+                out[self.conv.indices_of(parked)] = True
+            return out
+
     def reset(self) -> None:
         """Forget the conversation: the KV cache is cleared."""
         self.ctx.clear()

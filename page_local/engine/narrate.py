@@ -62,12 +62,16 @@ def _unchecked(d: Decision) -> tuple[str, str]:
 
 
 def room_words(d: Decision) -> str | None:
-    """What the context policy did to fit the turn (engine/room.py), or None when it did nothing:
-    'made room: 1840 earlier cells evicted (unchecked); read in 3 parts, 610 of its 2604 tokens
-    held; positions renumbered'."""
+    """What the context policy did to fit the turn (engine/room.py, engine/parking.py), or None when it did
+    nothing: 'context full: 1840 earlier tokens deleted to make room (unchecked); read in 3 parts, 610 of its
+    2604 tokens held; positions renumbered'."""
     parts = []
+    if d.restored:
+        parts.append(f"{d.restored} set-aside tokens back for this message")
+    if d.park_dropped:
+        parts.append(f"context full: {d.park_dropped} set-aside tokens deleted (the least relevant)")
     if d.room_evicted:
-        parts.append(f"made room: {d.room_evicted} earlier cells evicted (unchecked)")
+        parts.append(f"context full: {d.room_evicted} earlier tokens deleted to make room (unchecked)")
     if d.chunks > 1:
         parts.append(f"read in {d.chunks} parts, {d.prompt_held} of its {d.prompt_tokens} tokens held")
     if d.gaps_closed:
@@ -81,8 +85,9 @@ def status(d: Decision) -> str:
 
     'evicted to 968 of 1936, verified (0 changed top tokens <= 0 over 12 tokens)',
     'verify refused: full cache of 1897 kept (3 changed top tokens > 0 over 12 tokens)',
-    'gate closed (D 0.0209 < 0.07): full cache of 638 kept', 'nothing to evict (T 37 <= budget 1024)',
-    'evicted to 159 of 638 (gate always, unchecked)'."""
+    'gate closed (D 0.0209 < 0.07): full cache of 638 kept', 'full cache kept: 37 tokens, within the speed
+    budget of 1024', 'evicted to 159 of 638 (gate always, unchecked)'; parking: 'attending to 580 of 2321 tokens,
+    1741 set aside (verified: ...)'."""
     turn = _turn_status(d)
     room = room_words(d)
     return f"{turn}; {room}" if room else turn
@@ -103,12 +108,16 @@ def _turn_status(d: Decision) -> str:
             return f"kept {chosen}: {d.kept} of {d.T} ({tried})"
         return f"search refused every budget ({tried}): {full}"
     verify = d.gate_mode in VERIFY_MODES
+    kept = (f"attending to {d.kept} of {d.T} tokens, {d.parked} set aside" if d.parked
+            else f"evicted to {d.kept} of {d.T}")
     if verify and d.verify_m:
         if d.evicted:
-            return f"evicted to {d.kept} of {d.T}, verified ({_checked(d)})"
+            return f"{kept}, verified ({_checked(d)})"
         return f"verify refused: {full} ({_checked(d)})"
     if d.open and d.T <= d.B:
-        return f"nothing to evict (T {d.T} <= budget {d.B})"
+        return f"full cache kept: {d.T} tokens, within the speed budget of {d.B}"
+    if d.evicted and d.parked:
+        return f"{kept}, {gate_words(d)}"
     if d.evicted:
         if d.rule == "forced":
             return f"evicted to {d.kept} of {d.T} (gate always, unchecked)"
@@ -132,6 +141,9 @@ def why(d: Decision) -> str:
     """/why: what happened, what decided it and why, in plain sentences; then what D is; then the
     engine's own record (Decision.reason). Lines separated by newlines."""
     ev = f"The {d.evictor} evictor kept {d.kept} of {d.T} positions (budget {d.B}, {d.compression:.1f}x smaller)"
+    if d.parked:
+        ev += (f"; the other {d.parked} were set aside, not deleted: they stay in memory, out of the attention, and "
+               "come back before your next message is read, which chooses again")
     kept_all = f"All {d.T} positions were kept; nothing was dropped."
     verify = d.gate_mode in VERIFY_MODES
     if verify and d.verify_m:
@@ -166,7 +178,10 @@ def why(d: Decision) -> str:
                f"without a profile the raw threshold {RAW_THRESHOLD:g} is used; calibrate this model with "
                "`page-local calibrate` when it is available."))
     room = room_words(d)
-    if room:
+    if d.restored and not (d.park_dropped or d.room_evicted or d.chunks > 1):
+        text += (f" Before your message was read, the {d.restored} tokens set aside earlier came back, so it was "
+                 "read against the whole conversation.")
+    elif room:
         text += (f" To fit the turn in the context: {room}. Making room is not checked: the full conversation "
                  "no longer fits, so there is no full cache to check the answer against.")
         if d.room_from is not None:

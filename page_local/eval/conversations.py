@@ -18,6 +18,9 @@ of at most max_tokens:
 * verify    page-local as a user gets it: the speed budget (a share of the conversation), SnapKV, the
             verify gate, and room on demand at the wall (engine/room.py)
 * page      the same with the PAGE gate (the raw rule, or the model's calibrated profile if stored)
+* park      verify's budget, evictor and gate, but the speed budget parks cells instead of evicting them
+            (engine/parking.py): each message is read over the whole conversation and chooses again; from
+            the first turn (park_from 0), so that every turn's choice is tested, not only the long ones
 * room      room on demand alone (gate never: the speed budget never evicts), its evictions ranked by
             the message's own question (engine/room.py, the default)
 * room-recent  the same, ranked as before issue 28: by the conversation's newest queries (for a
@@ -63,7 +66,7 @@ from page_local.eval.rows import read_rows
 from page_local.tasks import synthetic
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
-POLICIES = ("full", "verify", "page", "room", "shift", "truncate")
+POLICIES = ("full", "verify", "page", "park", "room", "shift", "truncate")
 # for comparisons only (not in a default run): room ranked as before issue 28, and llama-server's 400
 COMPARE_POLICIES = ("room-recent", "refuse")
 ALL_POLICIES = POLICIES + COMPARE_POLICIES
@@ -216,7 +219,7 @@ def _answer(stream, t0: float) -> tuple[str, float]:
 
 
 class _Session:
-    """full, verify, page, room: page-local's own ChatSession on an engine set for the policy."""
+    """full, verify, page, park, room: page-local's own ChatSession on an engine set for the policy."""
 
     def __init__(self, engine: Engine):
         self.session = ChatSession(engine)
@@ -232,9 +235,10 @@ class _Session:
         d, r = s.decision, s.result
         detail = dict(T=d.T, B=d.B, speed_evicted=d.evicted, kept=d.kept, room_evicted=d.room_evicted,
                       chunks=d.chunks, prompt_tokens=r.prompt_tokens, prompt_held=d.prompt_held,
-                      gaps_closed=d.gaps_closed, rule=d.rule, D=d.D, verify_m=d.verify_m)
+                      gaps_closed=d.gaps_closed, rule=d.rule, D=d.D, verify_m=d.verify_m, parked=d.parked,
+                      restored=d.restored, park_dropped=d.park_dropped)
         return TurnOut(answer, r.finish_reason, len(r.tokens), r.tokens_per_s, ttft, time.perf_counter() - t0,
-                       r.prompt_tokens, bool(d.room_evicted or d.chunks > 1), detail)
+                       r.prompt_tokens, bool(d.room_evicted or d.chunks > 1 or d.park_dropped), detail)
 
 
 class _Rendered:
@@ -334,8 +338,9 @@ class Sizer:
 
 def set_policy(eng: Engine, policy: str) -> Engine:
     """Set an engine for a policy: its gate and what it does at the wall (the rest is the runner's)."""
-    eng.set_gate({"verify": "verify", "page": "page"}.get(policy, "never"))
-    eng.on_full = "evict" if policy in ("verify", "page", "room", "room-recent") else "refuse"
+    eng.set_gate({"verify": "verify", "page": "page", "park": "verify"}.get(policy, "never"))
+    eng.set_park(policy == "park", 0)
+    eng.on_full = "evict" if policy in ("verify", "page", "park", "room", "room-recent") else "refuse"
     eng.set_room_ranking("recent" if policy == "room-recent" else "question")
     return eng
 

@@ -21,9 +21,9 @@ from page_local.eval.report import _plt, _table
 from page_local.eval.rows import read_rows
 
 LABEL = {"full": "full cache", "verify": "page-local (verify)", "page": "page-local (PAGE)",
-         "room": "page-local (room only)", "room-recent": "room, ranked as before issue 28",
+         "park": "page-local (parking, verify)", "room": "page-local (room only)", "room-recent": "room, ranked as before issue 28",
          "shift": "context shift (llama.cpp)", "truncate": "truncation (Ollama)", "refuse": "400 (llama-server)"}
-STYLE = {"full": ("black", "-"), "verify": ("tab:green", "-"), "page": ("tab:blue", "--"),
+STYLE = {"full": ("black", "-"), "verify": ("tab:green", "-"), "page": ("tab:blue", "--"), "park": ("tab:purple", "-"),
          "room": ("tab:olive", ":"), "room-recent": ("tab:brown", ":"), "shift": ("tab:orange", "-."),
          "truncate": ("tab:red", "--"), "refuse": ("tab:gray", "-")}
 
@@ -113,10 +113,33 @@ def summarize(rows: list[dict]) -> dict:
             decode_tok_s=_median(r.get("decode_tok_s") for r in rs), ttft_s=_median(r.get("ttft_s") for r in rs),
             conversation_s=_mean(convs.values()), wall=_wall_words(p, rs))
     overall = {p: _mean(r["correct"] for r in rows if r["policy"] == p) for p in policies}
+    # questions about a document read turns earlier, paired with the full cache's answer to the same question
+    full = {(r["conversation"], r["length"], r["turn"]): bool(r["correct"]) for r in rows
+            if r["policy"] == "full" and r["age"] > 0}
+    later = {}
+    for p in policies:
+        rs = [r for r in rows if r["policy"] == p and r["age"] > 0]
+        k = sum(bool(r["correct"]) for r in rs)
+        paired = [(full[key], bool(r["correct"])) for r in rs
+                  if (key := (r["conversation"], r["length"], r["turn"])) in full]
+        later[p] = dict(n=len(rs), correct=k, accuracy=k / len(rs) if rs else None, ci95=_wilson(k, len(rs)),
+                        paired=len(paired), both=sum(a and b for a, b in paired),
+                        only_full=sum(a and not b for a, b in paired), only_policy=sum(b and not a for a, b in paired))
     r0 = rows[0]
     return dict(model=r0.get("model_name") or r0["model"], n_ctx=r0["n_ctx"], turns=turns, budget=r0.get("budget"),
                 max_tokens=r0.get("max_tokens"), conversations=len({r["conversation"] for r in rows}),
-                policies=policies, lengths=lengths, cells=cell, overall=overall)
+                policies=policies, lengths=lengths, cells=cell, overall=overall, later=later)
+
+
+def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """The 95 % Wilson score interval of k successes in n."""
+    if n == 0:
+        return None
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / d
+    return (round(c - h, 3), round(c + h, 3))
 
 
 def markdown(s: dict, plot: str | None = None) -> str:
@@ -147,7 +170,15 @@ def markdown(s: dict, plot: str | None = None) -> str:
                     _f(c(p, L).get("conversation_s"), 1)] for p in P for L in Ls])
     wall = _table(["policy", "length", "at the wall"], [[LABEL.get(p, p), _x(L), c(p, L).get("wall", "–")]
                                                        for p in P for L in Ls if p != "full"])
-    parts = [f"## Conversations: {s['model']}", head, "### Accuracy", acc]
+    later = s.get("later") or {}
+    lat = _table(["policy", "questions", "accuracy", "95 % interval", "paired with the full cache",
+                  "both right", "only the full cache", "only this policy"],
+                 [[LABEL.get(p, p), later[p]["n"], _f(later[p]["accuracy"]),
+                   "–" if later[p]["ci95"] is None else f"{later[p]['ci95'][0]:.2f}–{later[p]['ci95'][1]:.2f}",
+                   later[p]["paired"], later[p]["both"], later[p]["only_full"], later[p]["only_policy"]]
+                  for p in P if p in later])
+    parts = [f"## Conversations: {s['model']}", head, "### Accuracy", acc,
+             "### Questions about a document read turns earlier (all lengths)", lat]
     if plot:
         parts.append(f"![accuracy by turn]({plot})")
     parts += ["### Accuracy by turn", *by_turn,

@@ -46,6 +46,7 @@ class Settings:
     served_name: str  # the model's id in /v1/models and in requests' "model"
     n_ctx: int = defaults.N_CTX
     budget: float | int = defaults.CHAT_BUDGET
+    park: bool = defaults.CHAT_PARK  # the speed budget parks cells (engine/parking.py)
     evictor: str = defaults.EVICTOR
     gate: str = defaults.GATE
     verify_tokens: int | None = None  # None: the engine's default (verify.VERIFY_CAP)
@@ -134,7 +135,7 @@ class Backend:
                 extra = {} if s.verify_tokens is None else {"verify_tokens": s.verify_tokens}
                 eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
                              threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
-                             allow_long_context=s.allow_long_context, **extra)
+                             allow_long_context=s.allow_long_context, park=s.park, **extra)
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
                     self.warnings.append(eng.profile_warning)
@@ -213,11 +214,12 @@ class Backend:
             return None
         try:
             mask, room = eng.cache_map()
+            parked = eng.parked_map()
             model = eng.model
             contents = [m["content"] for m in job.messages] if job.kind == "chat" else None
             return held.cache_map(mask, room, [model.token_to_piece(t, special=True) for t in tokens],
                                   self.render(job), contents, [model.token_to_piece(t) for t in answer], shown,
-                                  eng.n_ctx)
+                                  eng.n_ctx, parked=parked if parked.any() else None)
         except Exception:  # a view of the answer, not the answer: its failure must not cost the answer
             log.exception("the cache map failed")
             return None

@@ -19,7 +19,9 @@ from bisect import bisect_left
 
 import numpy as np
 
-STATES = ("held", "speed", "room", "evicted")  # evicted: it went, why is not known (a restored conversation)
+# parked: set aside (engine/parking.py: in memory, out of the attention, back for the next message); speed, room:
+# deleted by the gate's budget or to make room; evicted: deleted, why is not known (a restored conversation)
+STATES = ("held", "parked", "speed", "room", "evicted")
 
 
 def token_spans(pieces: list[bytes], text: str) -> tuple[list[tuple[int, int]], bool]:
@@ -62,11 +64,15 @@ def runs(mask: np.ndarray) -> list[list[int]]:
     return [[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2])]
 
 
-def states(held: np.ndarray, room: np.ndarray | None) -> list[str]:
-    """Each token's state: held, or why it went (speed: the gate's budget; room: making room)."""
+def states(held: np.ndarray, room: np.ndarray | None, parked: np.ndarray | None = None) -> list[str]:
+    """Each token's state: held, parked, or why it went (speed: the gate's budget; room: making room)."""
     if room is None:
-        return ["held" if h else "evicted" for h in held.tolist()]
-    return ["held" if h else ("room" if r else "speed") for h, r in zip(held.tolist(), room.tolist())]
+        out = ["held" if h else "evicted" for h in held.tolist()]
+    else:
+        out = ["held" if h else ("room" if r else "speed") for h, r in zip(held.tolist(), room.tolist())]
+    if parked is not None:
+        out = ["parked" if p and s != "held" else s for s, p in zip(out, parked.tolist())]
+    return out
 
 
 def _spans_in(spans: list[tuple[int, int]], token_states: list[str], ranges: list[tuple[int, int] | None],
@@ -97,16 +103,17 @@ def _spans_in(spans: list[tuple[int, int]], token_states: list[str], ranges: lis
 
 
 def cache_map(held: np.ndarray, room: np.ndarray | None, prompt_pieces: list[bytes], prompt_text: str,
-              contents: list[str] | None, answer_pieces: list[bytes], answer_text: str, n_ctx: int) -> dict:
-    """The response's `cache_map`: held (bool (T,)) and room (bool (T,) | None) over the conversation's
-    tokens, the prompt's first len(prompt_pieces), then the answer's len(answer_pieces); the rendered
-    prompt and the messages' contents (None: a text completion, whose prompt is message 0); the answer's
-    text as sent. Message len(contents) is the answer."""
+              contents: list[str] | None, answer_pieces: list[bytes], answer_text: str, n_ctx: int,
+              parked: np.ndarray | None = None) -> dict:
+    """The response's `cache_map`: held (bool (T,)), room (bool (T,) | None) and parked (bool (T,) | None) over
+    the conversation's tokens, the prompt's first len(prompt_pieces), then the answer's len(answer_pieces); the
+    rendered prompt and the messages' contents (None: a text completion, whose prompt is message 0); the
+    answer's text as sent. Message len(contents) is the answer."""
     n_prompt = len(prompt_pieces)
     if len(held) != n_prompt + len(answer_pieces):
         raise ValueError(f"the cache map covers {len(held)} tokens, the conversation has "
                          f"{n_prompt} + {len(answer_pieces)}")
-    st = states(held, room)
+    st = states(held, room, parked)
     p_spans, aligned = token_spans(prompt_pieces, prompt_text)
     if contents is None:  # a text completion: the prompt is one message
         contents, ranges = [prompt_text], [(0, len(prompt_text))]
@@ -119,6 +126,8 @@ def cache_map(held: np.ndarray, room: np.ndarray | None, prompt_pieces: list[byt
     for kind in ("speed", "room", "evicted"):
         evicted += [{"from": a, "to": b, "why": kind} for a, b in runs(np.array([s == kind for s in st]))]
     evicted.sort(key=lambda e: e["from"])
+    is_parked = np.array([s == "parked" for s in st], dtype=bool)
     return {"n_ctx": int(n_ctx), "cells": int(np.count_nonzero(held)), "tokens": int(len(held)),
+            "parked_cells": int(is_parked.sum()), "parked": runs(is_parked),
             "prompt_tokens": n_prompt, "held": runs(held), "evicted": evicted, "aligned": aligned,
             "placed": [r is not None for r in ranges], "spans": spans}

@@ -11,11 +11,14 @@ const KEY = "page-local/key";
 const FORMAT = "page-local-chats";
 const DEFAULTS = { system: "", temperature: 0.7, maxTokens: 512 };
 const STATE_WORDS = {
-  held: "held in the cache",
-  speed: "evicted for speed (the gate's budget)",
-  room: "evicted to make room (the context was full)",
-  evicted: "evicted (why is not known: the conversation was restored from a snapshot)",
+  held: "held in the cache: the answer attends to it",
+  parked: "set aside: still in memory but out of the attention; it comes back before your next message is read",
+  speed: "deleted for speed (the gate's budget)",
+  room: "deleted to make room (the context was full)",
+  evicted: "deleted (why is not known: the conversation was restored from a snapshot)",
 };
+// the legend's words for each state (the class names stay the server's)
+const STATE_LABELS = { held: "held", parked: "set aside", speed: "deleted (speed)", room: "deleted (room)", evicted: "deleted" };
 
 const $ = (id) => document.getElementById(id);
 const el = (tag, className, text) => {
@@ -344,7 +347,8 @@ function metaView(chat, m) {
     fill.style.width = `${Math.min(100, (100 * cm.cells) / cm.n_ctx)}%`;
     const track = el("div", "cells-track");
     track.append(fill);
-    bar.append(track, el("span", "cells-label", `${cm.cells} / ${cm.n_ctx} cells held · ${cm.tokens} tokens in the conversation`));
+    const aside = cm.parked_cells ? ` · ${cm.parked_cells} set aside` : "";
+    bar.append(track, el("span", "cells-label", `${cm.cells} / ${cm.n_ctx} cells held${aside} · ${cm.tokens} tokens in the conversation`));
     box.append(bar);
     const view = el("details", "cache-view");
     view.append(el("summary", null, "What the cache holds"));
@@ -365,8 +369,8 @@ function cacheView(chat, m, cm) {
   const wrap = el("div", "cache-map");
   const legend = el("div", "legend");
   for (const [state, words] of Object.entries(STATE_WORDS)) {
-    if (state === "evicted" && !cm.spans.some((s) => s.state === "evicted")) continue;
-    const k = el("span", `mark s-${state}`, state);
+    if ((state === "evicted" || state === "parked") && !cm.spans.some((s) => s.state === state)) continue;
+    const k = el("span", `mark s-${state}`, STATE_LABELS[state] ?? state);
     k.title = words;
     legend.append(k);
   }
