@@ -160,8 +160,8 @@ def test_the_command_pilots_plans_runs_and_reports_then_resumes(cli, tmp_path):
     assert "0 rows written (4 already there)" in res.output
 
 
-def test_the_second_question_is_the_next_turn_about_the_next_fact(smollm2_path, tmp_path):
-    """--second: after each answer the next turn asks about the next fact, in the same conversation. With the full
+def test_the_second_question_is_the_next_turn_about_another_fact(smollm2_path, tmp_path):
+    """--second: after each answer the next turn asks about another fact, in the same conversation. With the full
     cache the second answer is a fresh run's on the rendered two-turn conversation; truncation's reading leaves
     no room for a second turn (refused, as it never makes room); the rows are apart from the one-question
     mode's (turns=2) and reported in a table of their own."""
@@ -174,7 +174,7 @@ def test_the_second_question_is_the_next_turn_about_the_next_fact(smollm2_path, 
         eng = run.engine("full", run.cells[0])
         pr = run.prompter
         convo = pr.render([("user", doc.message(0)), ("assistant", rows["full"]["answer"]),
-                           ("user", ld.QUESTION.format(**doc.facts[1].__dict__))])
+                           ("user", ld.QUESTION.format(**doc.facts[2].__dict__))])
         eng.reset()
         fresh = eng.generate(eng.model.tokenize(convo, add_special=True), max_tokens=16, add_special=False)
         assert rows["full"]["second_answer"] == fresh.text
@@ -183,7 +183,7 @@ def test_the_second_question_is_the_next_turn_about_the_next_fact(smollm2_path, 
             assert len(one.units()) == 1  # the one-question row is not among the second mode's
     assert set(rows) == {"full", "room-both", "truncate"}
     for r in rows.values():
-        assert r["turns"] == 2 and r["second"] == 1 and r["second_expected"] == doc.facts[1].code
+        assert r["turns"] == 2 and r["second"] == 2 and r["second_expected"] == doc.facts[2].code
         assert r["second_correct"] == (r["second_expected"] in r["second_answer"])
     assert "second_error" in rows["truncate"] and rows["truncate"]["second_answer"] == ""
     assert "second_error" not in rows["room-both"] and rows["room-both"]["room_evicted"] > 0

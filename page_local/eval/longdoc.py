@@ -26,7 +26,8 @@ Policies (POLICIES), greedy answers of at most max_tokens, on the same documents
                evictors/spans.py: a sentence's score is the sum of its cells'; room's default since issue 43).
 * room-both    the same reading, kept a sentence at a time, the kept cells shared between the question and a
                generic query (room ranking "question+generic": GENERIC_SHARE of them ranked by KVzip's
-               "Repeat the previous context exactly."), so that a second question about another fact finds it.
+               "Repeat the previous context exactly."), for a second question about another fact (measured at
+               2x n_ctx 1024: it does not keep an earlier fact, docs/design.md §5.1).
 * room-recent  the same, ranked by the newest queries (the ranking before issue 28), to compare.
 * shift        llama.cpp's context shift (llama-server's prompt truncation with --context-shift): keep the
                first n_keep tokens (the system prompt and the turn's header, at least N_SINK) and discard
@@ -42,7 +43,8 @@ for a shorter question Ollama would keep a few more tokens of the document (as m
 differ in length), llama-server rarely one block more.
 
 The second-question mode (second=True, `--second`; issue 43, item 3): after each question's answer, the next
-turn asks about the next fact of the document (question q + 1, mod FACTS), in the same conversation, as a
+turn asks about another fact of the document, two quarters away (q + SECOND, mod FACTS: half of the second
+questions are about a fact before the first one's, half after), in the same conversation, as a
 chat client sends it (the template's rendering of both turns, less what the cache already holds). Its
 rows carry turns=2 and second, second_expected, second_answer, second_correct, second_ttft_s; write them to
 their own file.
@@ -87,6 +89,7 @@ ROOM_RANKING = {"room-recent": "recent", "room-both": "question+generic"}  # els
 N_CTXS = (512, 1024)
 LENGTHS = (2, 4)
 FACTS = 4  # facts (and questions) per document: one in each quarter of its depth
+SECOND = 2  # the second-question mode asks about fact (q + SECOND) % FACTS after question q
 DEPTHS = ((0.05, 0.25), (0.3, 0.5), (0.55, 0.75), (0.8, 0.95))
 OLLAMA_NUM_KEEP = 4
 PILOT_QUESTIONS = 3
@@ -434,8 +437,8 @@ class LongDocRun:
                        cost_s=round(shared_s / self.questions + o["own_s"], 4), prompt_tokens=len(prompts[q]),
                        read_tokens=r.held[q], held=o["held"], shared_tokens=len(r.shared),
                        room_evicted=o["room_evicted"], chunks=o["chunks"])
-            if self.second:  # the next turn: the next fact
-                q2 = (q + 1) % FACTS
+            if self.second:  # the next turn: the fact two quarters away (as often before the first as after it)
+                q2 = (q + SECOND) % FACTS
                 o2 = ask_next(eng, self.prompter, doc.message(q), o["answer"],
                               QUESTION.format(**doc.facts[q2].__dict__), self.max_tokens)
                 f2 = doc.facts[q2]
