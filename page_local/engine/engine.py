@@ -340,8 +340,9 @@ class Engine:
         return self.room.ranking
 
     def set_room_ranking(self, mode: str) -> None:
-        """'question' (the default: the message's own last W tokens rank the cells room-making evicts) or
-        'recent' (the conversation's newest queries, the earlier ranking, kept to compare)."""
+        """'question' (the default: the message's own last W tokens rank the cells room-making evicts),
+        'question+generic' (a share ranked by a generic query, room.GENERIC_SHARE) or 'recent' (the conversation's
+        newest queries, the earlier ranking, kept to compare): room.ROOM_RANKINGS."""
         self.room.set_ranking(mode)
 
     @property
@@ -349,7 +350,8 @@ class Engine:
         return self.room.evictor
 
     def set_room_evictor(self, name: str, **options) -> None:
-        """The evictor that ranks the cells room-making evicts; it may need nothing but the probe."""
+        """The evictor that ranks the cells room-making evicts; it may need nothing but the probe and the sentence
+        spans room-making provides (room.ROOM_PROVIDES: snapkv-spans, the default, keeps whole sentences)."""
         self.room.set_evictor(name, **options)
 
     def turn_settings(self, gate: str | None = None, evictor: str | None = None, budget: float | int | None = None,
