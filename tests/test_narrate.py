@@ -153,3 +153,16 @@ def test_budget_search_is_told_by_its_rungs():
                               verify_m=9, verify_rule="argmax", verify_score=0.0, verify_threshold=0.0,
                               search=rungs[:2] + [dict(rungs[2], score=None, passed=None)])
     assert narrate.status(smallest_first) == "kept 1/8: 80 of 640 (passed 1/8; 1/16 failed; 1/4 not needed)"
+
+
+def test_a_conversation_below_park_from_says_why_the_full_cache_was_kept():
+    d = decision(T=713, open=True, D=0.1, gate_mode="verify", park_from=2048)
+    assert narrate.status(d) == "full cache kept: 713 tokens, fewer than 2048, where setting tokens aside does not pay"
+
+
+def test_parking_is_told_as_set_aside():
+    d = decision(T=2321, kept=580, open=True, evicted=True, rule="forced", gate_mode="always", parked=1741,
+                 restored=1733)
+    assert narrate.status(d).startswith("attending to 580 of 2321 tokens, 1741 set aside, gate always")
+    assert "1733 set-aside tokens back for this message" in narrate.status(d)
+    assert "set aside, not deleted" in narrate.why(d)

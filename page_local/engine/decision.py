@@ -60,6 +60,7 @@ class Decision:
     parked: int = 0  # cells parked after this turn's decision
     restored: int = 0  # parked cells that came back before this message was read (every one the cache could hold)
     park_dropped: int = 0  # parked cells that went for good before this message (the cache was full)
+    park_from: int | None = None  # set when parking kept the full cache: the conversation was below this many cells
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -682,7 +682,7 @@ class Engine:
             evictor=ev.name, prefill_ms=pre.prefill_ms, probe_ms=pre.probe_ms,
             gate_ms=(t3 - t0) * 1e3 - pre.prefill_ms - pre.probe_ms, evict_ms=(t4 - t3) * 1e3,
             agreement=pre.agreement, lookahead_ms=lookahead_ms, gate_note=g.note if g else None, parked=parked,
-            **verify), plan
+            park_from=t.park_from if short and is_open and pre.T > B and select else None, **verify), plan
 
     # --- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

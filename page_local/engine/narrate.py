@@ -108,6 +108,8 @@ def _turn_status(d: Decision) -> str:
             return f"kept {chosen}: {d.kept} of {d.T} ({tried})"
         return f"search refused every budget ({tried}): {full}"
     verify = d.gate_mode in VERIFY_MODES
+    if d.park_from is not None:
+        return f"full cache kept: {d.T} tokens, fewer than {d.park_from}, where setting tokens aside does not pay"
     kept = (f"attending to {d.kept} of {d.T} tokens, {d.parked} set aside" if d.parked
             else f"evicted to {d.kept} of {d.T}")
     if verify and d.verify_m:
