@@ -112,14 +112,17 @@ pytest.importorskip("sse_starlette", reason="the [serve] extra is not installed"
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
+    yield from _serve(smollm2_path, "--n-ctx", str(N_CTX), "--gate", "never")
+
+
+def _serve(smollm2_path, *args: str):
     from page_local.serve.bench import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PAGE_LOCAL_API_KEY", "PAGE_LOCAL_MODEL")}
     proc = subprocess.Popen([sys.executable, "-m", "page_local.cli", "serve", "--port", str(port), "--model",
-                             str(smollm2_path), "--n-ctx", str(N_CTX), "--threads", "2", "--gate", "never",
-                             "--api-key", KEY], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             str(smollm2_path), "--threads", "2", *args, "--api-key", KEY], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         t_end = time.monotonic() + 120
@@ -184,6 +187,30 @@ def test_cache_map_is_sent_when_asked_for(server):
     assert cm["spans"][0] == {"message": 0, "start": 0, "end": 2, "state": "held"}  # "Hi", all held
     r = httpx.post(server + "/v1/chat/completions", json=body | {"page_local": {"cache_map": "yes"}}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "page_local.cache_map"
+
+
+def test_a_parking_server_marks_set_aside_tokens_and_brings_them_back(smollm2_path):
+    """serve --park: the speed budget parks (gate always, from the first cell on); the response's cache_map marks
+    the parked tokens as their own class, and the next message of the conversation gets them back."""
+    gen = _serve(smollm2_path, "--n-ctx", "2048", "--park", "--park-from", "0", "--budget", "0.25", "--gate",
+                 "always")
+    base = next(gen)
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        msgs = [{"role": "user", "content": DOCUMENT + "\n" + QUESTION}]
+        first = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=120,
+                           json={"messages": msgs, "max_tokens": 8, "temperature": 0,
+                                 "page_local": {"cache_map": True}}).json()
+        cm = first["page_local"]["cache_map"]
+        assert cm["parked_cells"] > cm["cells"] > 0 and cm["parked"]
+        assert any(sp["state"] == "parked" for sp in cm["spans"]) and not cm["evicted"]  # set aside, none deleted
+        assert "set aside" in first["page_local"]["decision"]["summary"]
+        msgs += [first["choices"][0]["message"], {"role": "user", "content": "And jar 13?"}]
+        second = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=120,
+                            json={"messages": msgs, "max_tokens": 8, "temperature": 0}).json()
+        assert f"{cm['parked_cells']} set-aside tokens back for this message" in second["page_local"]["decision"]["summary"]
+    finally:
+        gen.close()
 
 
 # --- the browser ----------------------------------------------------------------------------------

@@ -262,6 +262,9 @@ def chat_engine_options(f):
                      help="The speed budget sets cells aside instead of deleting them: they stay in memory, out of "
                           "the attention, and come back before each message, which chooses again "
                           "(page_local/engine/parking.py).")(f)
+    f = click.option("--park-from", "park_from", default=None, type=click.IntRange(min=0),
+                     help="With --park: below this many cells the full cache is kept, where setting tokens aside "
+                          "does not pay (default: 2048).")(f)
     return engine_options(f, defaults.CHAT_BUDGET)
 
 

@@ -47,6 +47,7 @@ class Settings:
     n_ctx: int = defaults.N_CTX
     budget: float | int = defaults.CHAT_BUDGET
     park: bool = defaults.CHAT_PARK  # the speed budget parks cells (engine/parking.py)
+    park_from: int | None = None  # with park: the engine's park_from (None: its default)
     evictor: str = defaults.EVICTOR
     gate: str = defaults.GATE
     verify_tokens: int | None = None  # None: the engine's default (verify.VERIFY_CAP)
@@ -133,6 +134,8 @@ class Backend:
                 if self.state == "closed":
                     return
                 extra = {} if s.verify_tokens is None else {"verify_tokens": s.verify_tokens}
+                if s.park_from is not None:
+                    extra["park_from"] = s.park_from
                 eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
                              threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
                              allow_long_context=s.allow_long_context, park=s.park, **extra)
@@ -384,7 +387,7 @@ class Backend:
         return {"decision": decision,
                 "cache": {"reused_tokens": reuse.tokens, "source": reuse.source, "reused_evicted": reuse.evicted},
                 "settings": {"gate": turn.gate_mode, "budget": turn.budget, "evictor": turn.evictor.name,
-                             "verify_tokens": turn.verify_tokens, "on_full": turn.on_full},
+                             "verify_tokens": turn.verify_tokens, "on_full": turn.on_full, "park": turn.park},
                 "answer": {"tokens": len(res.tokens), "gen_ms": res.gen_s * 1e3,
                            "tokens_per_s": res.tokens_per_s}}
 
