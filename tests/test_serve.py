@@ -296,7 +296,7 @@ def test_per_request_settings_do_not_stick(client, http):
                                        extra_body={"page_local": {"gate": "always", "budget": 48,
                                                                   "evictor": "knorm", "verify_tokens": 8}})
     assert ext(r)["settings"] == {"gate": "always", "budget": 48, "evictor": "knorm", "verify_tokens": 8,
-                                  "on_full": "evict"}
+                                  "on_full": "evict", "park": False}
     assert ext(r)["decision"]["evictor"] == "knorm"
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0)
     assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == "snapkv"
