@@ -631,8 +631,10 @@ class Engine:
         t3 = time.perf_counter()
         is_open = bool(g.open) if g else False
         evicted, plan, lookahead_ms = False, None, None
-        short = t.park and pre.T < t.park_from  # parking: below park_from eviction does not pay
-        if is_open and pre.T > B and select and not short:
+        would_evict = is_open and pre.T > B and select
+        # parking: below park_from eviction does not pay, the full cache is kept
+        short = would_evict and t.park and pre.T < t.park_from
+        if would_evict and not short:
             last_pos, last_tok = pos0 + len(toks) - 1, toks[-1]
             signals = pipe.signals(ev.needs, pre, last_pos, last_tok, spec=getattr(ev, "spec", None),
                                    restore_logits=not evict_now)
@@ -670,7 +672,7 @@ class Engine:
                 verify = dict(verify_m=0, verify_delta=0.0, verify_score=0.0, verify_rule=t.verify_rule,
                               verify_threshold=t.verify_threshold)
                 reason += f"; {pre.T} cells <= B = {B}: nothing to evict"
-        if short and is_open and pre.T > B and select:
+        if short:
             reason += (f"; the conversation holds {pre.T} cells, fewer than {t.park_from}: eviction does not pay "
                        "there, the full cache is kept")
         kept = self.cells_used()
@@ -682,7 +684,7 @@ class Engine:
             evictor=ev.name, prefill_ms=pre.prefill_ms, probe_ms=pre.probe_ms,
             gate_ms=(t3 - t0) * 1e3 - pre.prefill_ms - pre.probe_ms, evict_ms=(t4 - t3) * 1e3,
             agreement=pre.agreement, lookahead_ms=lookahead_ms, gate_note=g.note if g else None, parked=parked,
-            park_from=t.park_from if short and is_open and pre.T > B and select else None, **verify), plan
+            park_from=t.park_from if short else None, **verify), plan
 
     # --- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
