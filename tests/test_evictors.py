@@ -7,12 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from page_local.evictors import EVICTORS, ROOM_ONLY, EvictionInput, get_evictor, resolve_budget
+from page_local.evictors import EVICTORS, EvictionInput, get_evictor, resolve_budget
 from page_local.evictors.pyramidkv import layer_budgets
 from tests.factories import make_input, make_probe
 
 # Every registered evictor with its defaults, plus the option variants worth covering.
-EVERY = sorted(EVICTORS) + sorted(ROOM_ONLY)  # room-making's evictors too: the same contract
+EVERY = sorted(EVICTORS)
 CONFIGS = [(name, {}) for name in EVERY] + [
     ("snapkv", {"pool": "avg", "kernel": 5}),
     ("snapkv", {"pool": "max", "kernel": 3}),
@@ -50,10 +50,9 @@ def check_invariants(inp: EvictionInput, keep: np.ndarray) -> None:
 
 
 def test_registry_covers_the_documented_methods():
-    assert set(EVICTORS) == {"snapkv", "streamingllm", "h2o", "tova", "knorm", "pyramidkv", "random", "lorekv",
-                             "lorekv-answer"}
-    assert set(ROOM_ONLY) == {"snapkv-spans"} and not set(ROOM_ONLY) & set(EVICTORS)
-    for name, cls in {**EVICTORS, **ROOM_ONLY}.items():
+    assert set(EVICTORS) == {"snapkv", "snapkv-spans", "streamingllm", "h2o", "tova", "knorm", "pyramidkv", "random",
+                             "lorekv", "lorekv-answer"}
+    for name, cls in EVICTORS.items():
         assert cls.name == name
         assert cls.needs <= {"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead",
                              "spans"}
@@ -70,9 +69,9 @@ def test_invariants(name, opts, case):
     np.testing.assert_array_equal(keep, get_evictor(name, **opts).select(inp))
 
 
-@pytest.mark.parametrize("name", sorted(n for n, c in {**EVICTORS, **ROOM_ONLY}.items() if c.needs), ids=str)
+@pytest.mark.parametrize("name", sorted(n for n, c in EVICTORS.items() if c.needs), ids=str)
 def test_missing_signal_is_a_clear_error(name):
-    needs = {**EVICTORS, **ROOM_ONLY}[name].needs
+    needs = EVICTORS[name].needs
     inp = make_input(64, 20, **{n: None for n in needs})
     with pytest.raises(ValueError, match=name):
         get_evictor(name).select(inp)

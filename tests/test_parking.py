@@ -96,3 +96,34 @@ def test_below_park_from_the_full_cache_is_kept(smollm2_path):
 def test_park_from_is_checked(smollm2_path):
     with pytest.raises(ValueError, match="park_from must be an int >= 0"):
         Engine(smollm2_path, n_ctx=256, park=True, park_from=-1, autotune=False)
+
+
+def test_whole_sentences_are_kept_for_speed_too(smollm2_path):
+    """snapkv-spans on the speed budget (as room-making ranks): the sentence the question asks about stays held as a
+    whole, its value's last digits included, and every other cell of the document is held or parked."""
+    eng = Engine(smollm2_path, n_ctx=2048, budget=0.25, gate="always", evictor="snapkv-spans", threads=THREADS,
+                 autotune=False, park=True, park_from=0)
+    with eng:
+        answer, dec = say(ChatSession(eng), DOC + "\nWhat is the secret code of the blue door?")
+        assert dec.evicted and dec.parked > 400
+        held = set(eng.ctx.page.positions(0).tolist())
+        parked = set(eng.ctx.page.parked(PARK_SEQ).tolist())
+        assert not held & parked and len(held | parked) >= dec.T
+        text = [eng.model.token_to_piece(t, special=True).decode("utf-8", "replace") for t in eng.conv.history]
+        i = next(i for i in range(len(text)) if text[i].strip() == "The"
+                 and "".join(text[i:i + 8]).lstrip().startswith("The secret code of the blue"))
+        j = next(k for k in range(i, len(text)) if "58213" in "".join(text[i:k + 1]))
+        sentence = eng.conv.pos[i:j + 2]  # through the value's last digit and the stop after it
+        assert set(sentence) <= held, "the fact's sentence is held whole"
+        assert "58213" in answer
+
+
+def test_a_speed_evictor_needing_sentences_is_told_where_they_are(smollm2_path):
+    from page_local.engine.turn import Pipeline
+
+    eng = Engine(smollm2_path, n_ctx=256, autotune=False)
+    with eng:
+        assert eng.pipeline.spans is not None
+        bare = Pipeline(eng.ctx, eng.model)
+        with pytest.raises(ValueError, match="keeps whole sentences"):
+            bare.signals(frozenset({"probe", "spans"}), None, 0, 0)

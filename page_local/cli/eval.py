@@ -11,6 +11,7 @@ import click
 from page_local import defaults
 from page_local.cli.common import (
     BudgetType,
+    evictor_option,
     fail,
     load_options,
     model_option,
@@ -208,6 +209,7 @@ def eval_report(results, out_dir, profile, as_json):
                    "(page_local/eval/conversations.py says what each does).")
 @click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType(),
               help="page-local's speed budget: a share of the conversation.")
+@evictor_option
 @click.option("--max-tokens", "max_tokens", default=32, show_default=True, type=click.IntRange(1, 512),
               help="Greedy answer tokens per turn, at most.")
 @click.option("--seed", default=42, show_default=True, type=click.IntRange(min=0))
@@ -218,7 +220,7 @@ def eval_report(results, out_dir, profile, as_json):
 @threads_option
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @load_options
-def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, max_tokens, seed, out, report_dir,
+def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, evictor, max_tokens, seed, out, report_dir,
                        threads, quiet, n_gpu_layers, rpc, attention_settings, allow_long_context):
     """Multi-turn chats over long documents at 1x, 2x and 4x n_ctx: the full cache, page-local, llama.cpp's
     context shift and Ollama's truncation on the same conversations; then the report (run it again to resume)."""
@@ -245,7 +247,7 @@ def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, max_to
     try:
         with one_line_errors(), _Bar(quiet) as bar:
             res = run_conversations(path, n=n, turns=turns, lengths=length_list, n_ctx=n_ctx, policies=policy_list,
-                                    budget=budget, max_tokens=max_tokens, seed=seed, threads=threads, out=out,
+                                    budget=budget, evictor=evictor, max_tokens=max_tokens, seed=seed, threads=threads, out=out,
                                     progress=bar, n_gpu_layers=n_gpu_layers, rpc=rpc,
                                     attention_settings=attention_settings, allow_long_context=allow_long_context)
     except KeyboardInterrupt:

@@ -167,6 +167,7 @@ class Engine:
         self.conv = Transcript()  # the conversation's tokens, their positions, what room-making evicted
         self.pipeline = Pipeline(self.ctx, self.model)  # the turn's steps (turn.py), shared with eval and bench
         self.room = RoomMaker(self.ctx, self.model, self.pipeline)  # room on demand (room.py)
+        self.pipeline.spans = lambda held: self.room.spans(self.conv, held)  # sentences, for snapkv-spans
         self.parking = Parking(self.ctx)  # cells the speed budget parked (parking.py)
         self._progress_fn = None  # set_progress
 

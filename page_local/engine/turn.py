@@ -55,7 +55,8 @@ FIRST_CHUNK = 4
 N_SINK = 4  # attention sinks every evictor keeps
 # Signals Pipeline.signals provides (evictors.base.NEEDS lists every known one). An evictor needing
 # anything else is refused when it is chosen, not mid-turn on the turns where the gate opens.
-PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead"})
+PROVIDED = frozenset({"probe", "last_query", "prefill_attention", "key_norms", "lookahead", "answer_lookahead",
+                      "spans"})
 # Signals that exist only once the full cache has answered: the keep set is chosen at the check (the
 # verify and search gates), not after the prefill
 AFTER_ANSWER = frozenset({"answer_lookahead"})
@@ -97,6 +98,9 @@ class Pipeline:
         self._out_proj: dict[str, np.ndarray] = {}
         self.cancel = None  # an object with is_set(): a prefill stops before its next batch once set (Cancelled)
         self.progress = None  # progress(n): called after each batch of n tokens a prefill decoded
+        # spans(held) -> i64 (len(held),): the sentence of each held position (the engine sets it: it knows the
+        # conversation's text; room.RoomMaker.spans)
+        self.spans = None
 
     # --- prefill and probe -----------------------------------------------------------------------
     def prefill(self, toks: Sequence[int], pos0: int, seq: int = 0, track_attention: bool = False) -> Prefilled:
@@ -176,6 +180,10 @@ class Pipeline:
             out["key_norms"] = cache["key_norms"]
         if "prefill_attention" in needs and pre.prefill_attention is not None:
             out["prefill_attention"] = align(pre.prefill_attention, pre.probe, pre.held)
+        if "spans" in needs:
+            if self.spans is None:
+                raise ValueError("this evictor keeps whole sentences, and nothing told the pipeline where they are")
+            out["spans"] = self.spans(pre.held)
         if "lookahead" in needs:  # LORE-KV: sampled futures score the prompt, then are removed
             key = ("lookahead", spec)
             if key not in cache:

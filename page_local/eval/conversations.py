@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from page_local import defaults
 from page_local.chat.session import ChatSession
 from page_local.chat.template import ChatTemplate
 from page_local.engine.engine import Engine
@@ -77,7 +78,8 @@ DEFAULT_POLICIES = ("full", "verify", "page", "shift", "truncate")
 NEEDLES_PER_DOC = 3
 FILL = 0.9  # the conversation's planned tokens, as a fraction of length x n_ctx
 OLLAMA_NUM_KEEP = 4
-KEY_FIELDS = ("model", "conversation", "length", "turn", "turns", "n_ctx", "policy", "budget", "max_tokens", "seed")
+KEY_FIELDS = ("model", "conversation", "length", "turn", "turns", "n_ctx", "policy", "budget", "evictor", "max_tokens",
+              "seed")
 INTRO = "Read this document. I will ask you about the special magic numbers in it.\n\n"
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER = "The special magic number for {key} mentioned in the provided text is {value}."  # for sizing only
@@ -386,7 +388,8 @@ def _key(row: dict) -> tuple:
 
 def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[float] = (1, 2, 4),
                       n_ctx: int = 1024, policies: Sequence[str] = DEFAULT_POLICIES, budget: float | int = 0.25,
-                      max_tokens: int = 32, seed: int = 42, threads: int = 2, out: str | os.PathLike | None = None,
+                      evictor: str = defaults.EVICTOR, max_tokens: int = 32, seed: int = 42, threads: int = 2,
+                      out: str | os.PathLike | None = None,
                       progress: Callable[[int, int], None] | None = None, n_gpu_layers=None,
                       allow_long_context: bool = False, rpc=None, attention_settings=None) -> dict:
     """Every conversation at every length under every policy, side by side (one conversation's
@@ -406,6 +409,8 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
     out.parent.mkdir(parents=True, exist_ok=True)
     base = dict(model=model_identity(model_path), model_name=gguf_metadata(model_path).get("general.name"),
                 turns=turns, n_ctx=n_ctx, budget=budget, max_tokens=max_tokens, seed=seed)
+    if evictor != defaults.EVICTOR:  # rows of the default evictor carry no field (as before it could be chosen)
+        base["evictor"] = evictor
     present = {_key(r) for r in read_rows(out, repair=True)}
     todo = [(c, float(L), p) for c in range(n) for L in lengths for p in policies
             if any(_key(dict(base, conversation=c, length=float(L), turn=t, policy=p)) not in present
@@ -425,6 +430,7 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
                 kind = "full" if policy == "full" else "small"
                 if kind not in engines:
                     engines[kind] = Engine(model_path, n_ctx=full_ctx if kind == "full" else n_ctx, budget=budget,
+                                           evictor=evictor,
                                            threads=threads, n_gpu_layers=n_gpu_layers, rpc=rpc,
                                            attention_settings=attention_settings,
                                            allow_long_context=allow_long_context)

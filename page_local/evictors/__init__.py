@@ -17,19 +17,16 @@ from page_local.evictors.streamingllm import StreamingLLM
 from page_local.evictors.tova import TOVA
 
 EVICTORS: dict[str, type[Evictor]] = {
-    cls.name: cls for cls in (SnapKV, StreamingLLM, H2O, TOVA, KNorm, PyramidKV, RandomKeep, LoreKV, LoreKVAnswer)
+    cls.name: cls for cls in (SnapKV, SnapKVSpans, StreamingLLM, H2O, TOVA, KNorm, PyramidKV, RandomKeep, LoreKV,
+                              LoreKVAnswer)
 }
-# Evictors that need what only room-making provides (the token text's sentences: "spans"); the speed budget's
-# pipeline does not, so they are not offered where it is chosen (--evictor) and Engine.set_evictor refuses them.
-ROOM_ONLY: dict[str, type[Evictor]] = {cls.name: cls for cls in (SnapKVSpans,)}
 
 DEFAULT_EVICTOR = "snapkv"
 
 
 def get_evictor(name: str, **options) -> Evictor:
-    """An evictor instance by registry name (EVICTORS or ROOM_ONLY); `options` go to its constructor (e.g.
-    pool="avg")."""
-    every = {**EVICTORS, **ROOM_ONLY}
+    """An evictor instance by registry name (EVICTORS); `options` go to its constructor (e.g. pool="avg")."""
+    every = EVICTORS
     try:
         cls = every[name]
     except (KeyError, TypeError):
@@ -40,4 +37,4 @@ def get_evictor(name: str, **options) -> Evictor:
         raise ValueError(f"bad options for evictor {name!r}: {e}") from None
 
 
-__all__ = ["EVICTORS", "ROOM_ONLY", "DEFAULT_EVICTOR", "EvictionInput", "Evictor", "get_evictor", "resolve_budget"]
+__all__ = ["EVICTORS", "DEFAULT_EVICTOR", "EvictionInput", "Evictor", "get_evictor", "resolve_budget"]
