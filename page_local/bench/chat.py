@@ -89,7 +89,7 @@ def _stock_chat(bin_dir, model_path, messages: list[str], n_ctx: int, gen: int, 
 def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 3.0, gen: int = 32,
                repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
                budget: float | int = defaults.CHAT_BUDGET, peer_bin=None, rpc=None, attention_settings=None,
-               park: bool = False, park_from: int | None = None) -> dict:
+               park: bool = False, park_from: int | None = None, evictor: str = defaults.EVICTOR) -> dict:
     """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache, and
     stock llama-server when built (peer_bin, else bench/stock.find_bin's default). n_gpu_layers, rpc,
     attention_settings: as Engine's, for both engines."""
@@ -108,7 +108,7 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
     parking = dict(park=True) if park else {}
     if park and park_from is not None:
         parking["park_from"] = park_from
-    with Engine(model_path, n_ctx=n_ctx, budget=budget, threads=threads, **parking, **load) as pl:
+    with Engine(model_path, n_ctx=n_ctx, budget=budget, evictor=evictor, threads=threads, **parking, **load) as pl:
         n_train = pl.model.n_ctx_train
         need = int(outgrow * n_ctx) + turns * (2 * gen + 32) + 256
         full_ctx = min(need, n_train) if n_train > 0 else need
@@ -171,7 +171,8 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
         return round(statistics.median(xs), 4) if xs else None
 
     return {
-        "bench": "chat", "turns": turns, "n_ctx": n_ctx, "budget": budget, "park": park, "full_n_ctx": full_ctx,
+        "bench": "chat", "turns": turns, "n_ctx": n_ctx, "budget": budget, "park": park, "evictor": evictor,
+        "full_n_ctx": full_ctx,
         "outgrow": outgrow, "gen": gen,
         "repeats": repeats, "threads": threads,
         "conversation_tokens": per_turn[-1]["conversation_tokens"],

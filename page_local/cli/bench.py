@@ -12,6 +12,7 @@ from page_local.cli.common import (
     BudgetType,
     LadderType,
     attention_options,
+    evictor_option,
     fail,
     json_option,
     model_option,
@@ -247,6 +248,7 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
               help="The speed budget parks cells (each message chooses again) instead of evicting them for good.")
 @click.option("--park-from", default=None, type=click.IntRange(min=0),
               help="With --park: below this many cells the full cache is kept (default: the engine's).")
+@evictor_option
 @click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
               help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin, which `make "
                    "peer-server` builds)")
@@ -254,7 +256,7 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_from, peer_bin, threads, as_json,
+def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_from, evictor, peer_bin, threads, as_json,
                **load):
     """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache, and
     vs stock llama-server (default and best flash-attention path) when it is built."""
@@ -292,4 +294,4 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_fr
     path = resolve_model(model)
     _bench(as_json, lambda: chat_speed(path, turns=turns, n_ctx=n_ctx, outgrow=outgrow, gen=gen, repeats=repeats,
                                        threads=threads, budget=budget, park=park, park_from=park_from,
-                                       peer_bin=peer_bin, **load), describe)
+                                       evictor=evictor, peer_bin=peer_bin, **load), describe)

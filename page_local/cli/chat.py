@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 
 from page_local.cli.common import (chat_engine_options, ladder_option, model_option, one_line_errors, resolve_model,
-                                   show_llama_log, tuning_progress)
+                                   show_llama_log, sized_n_ctx, tuning_progress)
 from page_local.cli.repl import MAX_TOKENS, Repl, run_loop, stdin_reader, terminal_reader
 
 
@@ -25,6 +25,7 @@ def chat_cmd(model, park, park_from, budget, evictor, gate, verify_tokens, on_fu
     """Chat with a local model; what the cache went through is shown after each answer (/why explains it)."""
     show_llama_log()  # also when the command is invoked on its own, outside the `page-local` group
     path = resolve_model(model)
+    n_ctx, _ = sized_n_ctx(path, n_ctx, attention_settings, n_gpu_layers, rpc)
 
     from page_local.engine import Engine
 

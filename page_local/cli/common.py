@@ -140,7 +140,13 @@ def verify_tokens_option(f):
              "decision are decoded at full-cache speed.")(f)
 
 
-def n_ctx_option(f):
+def n_ctx_option(f, auto: bool = False):
+    """--n-ctx. auto (chat, serve): no default number; the command sizes it (store/sizing.py) and gets None."""
+    if auto:
+        return click.option("--n-ctx", "n_ctx", default=None, type=click.IntRange(min=1),
+                            help="Context size in tokens. Default: the largest of 4096, 8192, 16384, 32768 that the "
+                                 "model was trained for and whose cache fits in 1/8 of the memory available "
+                                 "(at least 4096).")(f)
     return click.option("--n-ctx", "n_ctx", default=defaults.N_CTX, show_default=True, type=click.IntRange(min=1),
                         help="Context size in tokens; longer prompts do not fit.")(f)
 
@@ -238,9 +244,9 @@ def load_options(f):
     return n_gpu_layers_option(f)
 
 
-def context_options(f):
+def context_options(f, auto_n_ctx: bool = False):
     """--n-ctx, --threads, --n-gpu-layers and --allow-long-context: what loading a model into a context takes."""
-    return n_ctx_option(threads_option(load_options(f)))
+    return n_ctx_option(threads_option(load_options(f)), auto=auto_n_ctx)
 
 
 def on_full_option(f):
@@ -250,10 +256,11 @@ def on_full_option(f):
              "context is read in parts), or refuse it.")(f)
 
 
-def engine_options(f, budget=defaults.BUDGET):
+def engine_options(f, budget=defaults.BUDGET, auto_n_ctx: bool = False):
     """What every command that answers prompts takes: budget, evictor, gate, verify tokens, on-full, then
     context_options (in --help in this order)."""
-    return budget_option(evictor_option(gate_option(verify_tokens_option(on_full_option(context_options(f))))), budget)
+    return budget_option(evictor_option(gate_option(verify_tokens_option(on_full_option(
+        context_options(f, auto_n_ctx))))), budget)
 
 
 def chat_engine_options(f):
@@ -265,7 +272,7 @@ def chat_engine_options(f):
     f = click.option("--park-from", "park_from", default=None, type=click.IntRange(min=0),
                      help="With --park: below this many cells the full cache is kept, where setting tokens aside "
                           "does not pay (default: 2048).")(f)
-    return engine_options(f, defaults.CHAT_BUDGET)
+    return engine_options(f, defaults.CHAT_BUDGET, auto_n_ctx=True)
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -275,6 +282,20 @@ def resolve_model(model: str | None) -> Path:
     2 for a name that is neither a file nor registered."""
     with one_line_errors():
         return models.resolve(model)
+
+
+def sized_n_ctx(path: Path, n_ctx: int | None, attention_settings, n_gpu_layers, rpc, slots: int = 1) -> tuple[int, str]:
+    """chat's and serve's --n-ctx: the number given, else sized by memory and the model (store/sizing.py); and
+    how it was chosen, in words."""
+    if n_ctx is not None:
+        return n_ctx, f"{n_ctx} (--n-ctx)"
+    from page_local.native.runtime import default_n_gpu_layers
+    from page_local.store.sizing import default_n_ctx
+
+    gpu = (default_n_gpu_layers(bool(rpc)) if n_gpu_layers is None else n_gpu_layers) != 0
+    cache = attention_settings.cache_type if attention_settings is not None else "f16"
+    with one_line_errors():
+        return default_n_ctx(path, cache_type=cache, slots=slots, gpu=gpu)
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:

@@ -18,6 +18,7 @@ from page_local.cli.common import (
     one_line_errors,
     resolve_model,
     show_llama_log,
+    sized_n_ctx,
     threads_option,
 )
 
@@ -141,6 +142,7 @@ def serve_cmd(model, park, park_from, budget, evictor, gate, verify_tokens, on_f
 
         check_gguf(path)  # a missing or non-GGUF file fails now, in one line, not in the loading thread
     name = served_name(path)
+    n_ctx, _ = sized_n_ctx(path, n_ctx, attention_settings, n_gpu_layers, rpc, slots=parallel)
     settings = Settings(model_path=path, served_name=name, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate,
                         verify_tokens=verify_tokens, on_full=on_full, threads=threads, n_gpu_layers=n_gpu_layers,
                         rpc=rpc, attention_settings=attention_settings, allow_long_context=allow_long_context,
