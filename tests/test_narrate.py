@@ -160,6 +160,12 @@ def test_a_conversation_below_park_from_says_why_the_full_cache_was_kept():
     assert narrate.status(d) == "full cache kept: 713 tokens, fewer than 2048, where setting tokens aside does not pay"
 
 
+def test_a_resting_check_says_so():
+    d = decision(T=1900, kept=1900, open=True, D=0.1, gate_mode="verify", check_rested=2)
+    assert narrate.status(d) == "full cache kept: 1900 tokens, unchecked (the last 2 checks were refused)"
+    assert "without paying for one" in narrate.why(d)
+
+
 def test_parking_is_told_as_set_aside():
     d = decision(T=2321, kept=580, open=True, evicted=True, rule="forced", gate_mode="always", parked=1741,
                  restored=1733)

@@ -247,3 +247,39 @@ def test_bad_ladders_are_refused(engine):
     for ladder in ((), (0.1, 0.2, 0.3, 0.4, 0.5), (0.0,), (2.5,), (3,)):
         with pytest.raises(ValueError):
             engine.set_ladder(ladder)
+
+
+def test_a_check_refused_turn_after_turn_rests(smollm2_path):
+    """After two refused checks in a row the next turn keeps the full cache without one (no candidate, no forced
+    tokens), then the check runs again; refused again, it rests two turns; a passed check would start over."""
+    short = NEEDLE.replace(HAY * 10, HAY * 3)
+    with Engine(smollm2_path, n_ctx=4096, threads=THREADS, gate="verify", budget=40) as eng:
+        seen = []
+        for _ in range(7):  # one conversation: each turn is the same document and question again
+            s = eng.stream(short, max_tokens=8)
+            "".join(s)
+            d = s.decision
+            seen.append("rest" if d.check_rested is not None else "pass" if d.evicted else "refused"
+                        if d.verify_m else "other")
+            if d.check_rested is not None:
+                assert d.verify_m is None and d.kept >= d.T and "without one" in d.reason
+                assert d.check_rested >= 2  # the refusals in a row that led here
+        # 40 cells cannot hold the number: every check that runs is refused (the premise, checked)
+        assert seen == ["refused", "refused", "rest", "refused", "rest", "rest", "refused"], seen
+        eng.reset()
+        assert eng.backoff.refused == 0 and eng.backoff.rest == 0
+
+
+def test_backoff_rests_longer_after_each_refusal_and_starts_over_on_a_pass():
+    from page_local.engine.selfcheck import Backoff
+
+    b = Backoff()
+    turns = []
+    for verdict in [False, False, None, False, None, None, False, None, None, None, None, True, False]:
+        if b.resting():
+            turns.append("rest")
+            continue
+        turns.append(verdict)
+        b.record(verdict)
+    assert turns == [False, False, "rest", False, "rest", "rest", False, "rest", "rest", "rest", "rest", True, False]
+    assert b.rest == 0 and b.refused == 1  # one refusal after a pass: no rest yet

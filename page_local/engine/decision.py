@@ -61,6 +61,9 @@ class Decision:
     restored: int = 0  # parked cells that came back before this message was read (every one the cache could hold)
     park_dropped: int = 0  # parked cells that went for good before this message (the cache was full)
     park_from: int | None = None  # set when parking kept the full cache: the conversation was below this many cells
+    # set when the check rested (selfcheck.Backoff): checks refused in a row before this turn, which kept the
+    # full cache without one
+    check_rested: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

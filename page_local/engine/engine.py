@@ -38,7 +38,7 @@ from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
 from page_local.engine.parking import N_SEQ, PARK_FROM, PARK_SEQ, Parking
 from page_local.engine.room import RoomMaker, answer_room, check_on_full
-from page_local.engine.selfcheck import AfterAnswer, SelfCheck
+from page_local.engine.selfcheck import AfterAnswer, Backoff, SelfCheck
 from page_local.engine.settings import SettingError, TurnSettings
 from page_local.engine.transcript import Transcript
 from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, Pipeline, supported
@@ -169,6 +169,7 @@ class Engine:
         self.room = RoomMaker(self.ctx, self.model, self.pipeline)  # room on demand (room.py)
         self.pipeline.spans = lambda held: self.room.spans(self.conv, held)  # sentences, for snapkv-spans
         self.parking = Parking(self.ctx)  # cells the speed budget parked (parking.py)
+        self.backoff = Backoff()  # a check refused turn after turn rests (selfcheck.py)
         self._progress_fn = None  # set_progress
 
     # --- settings ----------------------------------------------------------------------------
@@ -447,6 +448,7 @@ class Engine:
         self.ctx.clear()
         self.conv.clear()
         self.parking.clear()
+        self.backoff.reset()
 
     # --- one turn ----------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS, sampling: Sampling | None = None,
@@ -566,6 +568,8 @@ class Engine:
                           parked=self.parking.count)
         try:
             yield from loop
+            if check is not None and dec.verify_m is not None:  # the check ran: its verdict counts
+                self.backoff.record(dec.evicted)
         finally:
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
             sampler.close()
@@ -635,7 +639,10 @@ class Engine:
         would_evict = is_open and pre.T > B and select
         # parking: below park_from eviction does not pay, the full cache is kept
         short = would_evict and t.park and pre.T < t.park_from
-        if would_evict and not short:
+        # a check refused turn after turn rests: the full cache, unchecked (selfcheck.Backoff)
+        refused = self.backoff.refused
+        rested = would_evict and not short and t.verifies and self.backoff.resting()
+        if would_evict and not short and not rested:
             last_pos, last_tok = pos0 + len(toks) - 1, toks[-1]
             signals = pipe.signals(ev.needs, pre, last_pos, last_tok, spec=getattr(ev, "spec", None),
                                    restore_logits=not evict_now)
@@ -676,6 +683,9 @@ class Engine:
         if short:
             reason += (f"; the conversation holds {pre.T} cells, fewer than {t.park_from}: eviction does not pay "
                        "there, the full cache is kept")
+        if rested:
+            reason += (f"; the last {refused} checks were refused, so this turn keeps the full cache without one "
+                       f"(checking again in {self.backoff.rest + 1} turn{'s' if self.backoff.rest else ''})")
         kept = self.cells_used()
         parked = self.parking.count()
         return Decision(
@@ -685,7 +695,7 @@ class Engine:
             evictor=ev.name, prefill_ms=pre.prefill_ms, probe_ms=pre.probe_ms,
             gate_ms=(t3 - t0) * 1e3 - pre.prefill_ms - pre.probe_ms, evict_ms=(t4 - t3) * 1e3,
             agreement=pre.agreement, lookahead_ms=lookahead_ms, gate_note=g.note if g else None, parked=parked,
-            park_from=t.park_from if short else None, **verify), plan
+            park_from=t.park_from if short else None, check_rested=refused if rested else None, **verify), plan
 
     # --- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -110,6 +110,8 @@ def _turn_status(d: Decision) -> str:
     verify = d.gate_mode in VERIFY_MODES
     if d.park_from is not None:
         return f"full cache kept: {d.T} tokens, fewer than {d.park_from}, where setting tokens aside does not pay"
+    if d.check_rested is not None:
+        return f"full cache kept: {d.T} tokens, unchecked (the last {d.check_rested} checks were refused)"
     kept = (f"attending to {d.kept} of {d.T} tokens, {d.parked} set aside" if d.parked
             else f"evicted to {d.kept} of {d.T}")
     if verify and d.verify_m:
@@ -158,6 +160,10 @@ def why(d: Decision) -> str:
             text += f" Before that, PAGE's {gate_words(d)} let the candidate through."
     elif d.open and d.T <= d.B:
         text = f"Nothing was evicted: the {d.T} positions fit within the budget of {d.B}."
+    elif d.check_rested is not None:
+        text = (f"The check was refused on the last {d.check_rested} turns, so this turn kept the full cache "
+                "without paying for one; the conversation is checked again after a rest that doubles with each "
+                f"further refusal (up to 8 turns). {kept_all}")
     elif verify and d.open:
         text = (f"The evicted candidate was not checked ({_unchecked(d)[1]}), and an unchecked eviction "
                 f"is never committed. {kept_all}")
