@@ -477,6 +477,7 @@ compact = sys.argv[5] == "1"
 n_gpu = sys.argv[6]  # "" = the default, else a count or "all"
 flash_attn, cache_type = sys.argv[7], sys.argv[8]  # resolved by the parent
 rpc = tuple(sys.argv[9].split(",")) if sys.argv[9] else ()  # HOST:PORT,... resolved by the parent; "": none
+park = dict(park=True, park_from=0) if sys.argv[10] == "1" else {}  # the speed budget parks cells
 prompt = np.random.default_rng(0).integers(100, 4000, size=tokens).tolist()
 n_ctx = tokens + 64
 out = {"kind": kind}
@@ -485,9 +486,10 @@ if kind == "page-local":
     from page_local.engine.attention import AttentionSettings
     with Engine(model_path, n_ctx=n_ctx, budget=0.25, gate="always", threads=threads, compact=compact,
                 n_gpu_layers=n_gpu or None, rpc=rpc, attention_settings=AttentionSettings(flash_attn, cache_type),
-                allow_long_context=True) as eng:
+                allow_long_context=True, **park) as eng:
         r = eng.generate(prompt, max_tokens=8)
-        out.update(T=r.decision.T, kept=r.decision.kept, n_ctx=eng.n_ctx, device=eng.placement)
+        out.update(T=r.decision.T, kept=r.decision.kept, parked=r.decision.parked, n_ctx=eng.n_ctx,
+                   device=eng.placement)
 else:
     from page_local.native import pageops
     pageops.llama_cpp()  # the same patched library, loaded through page_local
@@ -505,10 +507,10 @@ print(json.dumps(out))
 
 def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool = True,
                 n_gpu_layers: int | str | None = None, rpc=None,
-                attention_settings: AttentionSettings | None = None) -> dict:
-    """Peak RSS of page-local (prefill + eviction to 25 % + 8 tokens) vs stock llama-cpp-python
-    (prefill + 8 tokens) on the same random-token prompt, each in a fresh process, which gets the settings
-    as arguments (resolved here)."""
+                attention_settings: AttentionSettings | None = None, park: bool = False) -> dict:
+    """Peak RSS of page-local (prefill + eviction to 25 % + 8 tokens; park: the other 75 % parked instead) vs
+    stock llama-cpp-python (prefill + 8 tokens) on the same random-token prompt, each in a fresh process, which
+    gets the settings as arguments (resolved here)."""
     import json
     import subprocess
     import sys
@@ -522,14 +524,15 @@ def peak_memory(model_path, tokens: int = 8192, threads: int = 2, compact: bool 
     for kind in ("llama-cpp-python", "page-local"):
         p = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, kind, str(model_path), str(tokens), str(threads),
                             "1" if compact else "0", "" if n_gpu_layers is None else str(n_gpu_layers),
-                            settings.flash_attn, settings.cache_type, ",".join(servers)],
+                            settings.flash_attn, settings.cache_type, ",".join(servers), "1" if park else "0"],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise BenchError(f"{kind} run failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
         res[kind] = json.loads(p.stdout.strip().splitlines()[-1])
     pl, st = res["page-local"], res["llama-cpp-python"]
     return {
-        "bench": "memory", "tokens": tokens, "threads": threads, "compact": compact,
+        "bench": "memory", "tokens": tokens, "threads": threads, "compact": compact, "park": park,
+        "parked": pl.get("parked", 0),
         "page_local_peak_rss_mb": round(pl["peak_rss_mb"], 1), "stock_peak_rss_mb": round(st["peak_rss_mb"], 1),
         "ratio": round(pl["peak_rss_mb"] / st["peak_rss_mb"], 4), "target_ratio": 1.05,
         "n_ctx": pl["n_ctx"], "T": pl["T"], "kept_after_eviction": pl["kept"],

@@ -187,16 +187,18 @@ def bench_lorekv(model, tokens, budget, futures, lookahead_tokens, repeats, thre
 @click.option("--tokens", default=8192, show_default=True, type=click.IntRange(min=256))
 @click.option("--compact/--no-compact", default=True, show_default=True,
               help="compact the cache after eviction, as the engine does by default")
+@click.option("--park/--no-park", default=False, show_default=True,
+              help="park the other 75 %% (kept in memory, out of the attention) instead of evicting them")
 @threads_option
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_memory(model, tokens, compact, threads, as_json, **load):
+def bench_memory(model, tokens, compact, park, threads, as_json, **load):
     """Peak RSS of page-local vs stock llama-cpp-python on the same prompt (target ratio <= 1.05)."""
     from page_local.bench.speed import peak_memory
 
     path = resolve_model(model)
-    _bench(as_json, lambda: peak_memory(path, tokens=tokens, threads=threads, compact=compact, **load),
+    _bench(as_json, lambda: peak_memory(path, tokens=tokens, threads=threads, compact=compact, park=park, **load),
            lambda r: f"peak RSS: page-local {r['page_local_peak_rss_mb']:.0f} MB, llama-cpp-python "
                      f"{r['stock_peak_rss_mb']:.0f} MB, ratio {r['ratio']:.3f}; free cells in n_ctx {r['n_ctx']}: "
                      f"{r['free_cells_full_cache']} full, {r['free_cells_after_eviction']} after eviction")
