@@ -299,7 +299,7 @@ def test_per_request_settings_do_not_stick(client, http):
                                   "on_full": "evict", "park": False}
     assert ext(r)["decision"]["evictor"] == "knorm"
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0)
-    assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == "snapkv"
+    assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == defaults.CHAT_EVICTOR
     # the server's default budget is chat's: no eviction for speed, only room on demand
     assert ext(r)["settings"]["budget"] == defaults.CHAT_BUDGET == 1.0
     # gate and evictor are set together: lorekv-answer needs a gate that has the answer before evicting
@@ -311,7 +311,7 @@ def test_per_request_settings_do_not_stick(client, http):
                                        extra_body={"page_local": {"evictor": "lorekv-answer"}})
     assert "page_local.evictor" in str(e.value) and "only the verify and search gates" in str(e.value)
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0)
-    assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == "snapkv"
+    assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == defaults.CHAT_EVICTOR
 
 
 def test_sampling_fields(client):

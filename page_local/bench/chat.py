@@ -89,7 +89,7 @@ def _stock_chat(bin_dir, model_path, messages: list[str], n_ctx: int, gen: int, 
 def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 3.0, gen: int = 32,
                repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
                budget: float | int = defaults.CHAT_BUDGET, peer_bin=None, rpc=None, attention_settings=None,
-               park: bool = False, park_from: int | None = None, evictor: str = defaults.EVICTOR) -> dict:
+               park: bool = False, park_from: int | None = None, evictor: str = defaults.CHAT_EVICTOR) -> dict:
     """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache, and
     stock llama-server when built (peer_bin, else bench/stock.find_bin's default). n_gpu_layers, rpc,
     attention_settings: as Engine's, for both engines."""

@@ -250,7 +250,7 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
               help="The speed budget parks cells (each message chooses again) instead of evicting them for good.")
 @click.option("--park-from", default=None, type=click.IntRange(min=0),
               help="With --park: below this many cells the full cache is kept (default: the engine's).")
-@evictor_option
+@(lambda f: evictor_option(f, defaults.CHAT_EVICTOR))  # as `page-local chat`
 @click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
               help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin, which `make "
                    "peer-server` builds)")

@@ -118,9 +118,10 @@ def budget_option(f, default=defaults.BUDGET):
                            if default == 1.0 else ""))(f)
 
 
-def evictor_option(f):
-    return click.option("--evictor", default=defaults.EVICTOR, show_default=True,
-                        type=click.Choice(sorted(EVICTORS)))(f)
+def evictor_option(f, default: str = defaults.EVICTOR):
+    return click.option("--evictor", default=default, show_default=True, type=click.Choice(sorted(EVICTORS)),
+                        help="Which cells the speed budget keeps (docs/algorithms.md); snapkv-spans keeps whole "
+                             "sentences.")(f)
 
 
 def gate_option(f):
@@ -256,15 +257,16 @@ def on_full_option(f):
              "context is read in parts), or refuse it.")(f)
 
 
-def engine_options(f, budget=defaults.BUDGET, auto_n_ctx: bool = False):
+def engine_options(f, budget=defaults.BUDGET, auto_n_ctx: bool = False, evictor: str = defaults.EVICTOR):
     """What every command that answers prompts takes: budget, evictor, gate, verify tokens, on-full, then
     context_options (in --help in this order)."""
     return budget_option(evictor_option(gate_option(verify_tokens_option(on_full_option(
-        context_options(f, auto_n_ctx))))), budget)
+        context_options(f, auto_n_ctx)))), evictor), budget)
 
 
 def chat_engine_options(f):
-    """engine_options for conversations (chat, serve): the budget defaults to defaults.CHAT_BUDGET; --park."""
+    """engine_options for conversations (chat, serve): the budget defaults to defaults.CHAT_BUDGET, the evictor to
+    defaults.CHAT_EVICTOR; --park."""
     f = click.option("--park/--no-park", default=defaults.CHAT_PARK, show_default=True,
                      help="The speed budget sets cells aside instead of deleting them: they stay in memory, out of "
                           "the attention, and come back before each message, which chooses again "
@@ -272,7 +274,7 @@ def chat_engine_options(f):
     f = click.option("--park-from", "park_from", default=None, type=click.IntRange(min=0),
                      help="With --park: below this many cells the full cache is kept, where setting tokens aside "
                           "does not pay (default: 2048).")(f)
-    return engine_options(f, defaults.CHAT_BUDGET, auto_n_ctx=True)
+    return engine_options(f, defaults.CHAT_BUDGET, auto_n_ctx=True, evictor=defaults.CHAT_EVICTOR)
 
 
 # --- inputs ------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class Settings:
     budget: float | int = defaults.CHAT_BUDGET
     park: bool = defaults.CHAT_PARK  # the speed budget parks cells (engine/parking.py)
     park_from: int | None = None  # with park: the engine's park_from (None: its default)
-    evictor: str = defaults.EVICTOR
+    evictor: str = defaults.CHAT_EVICTOR
     gate: str = defaults.GATE
     verify_tokens: int | None = None  # None: the engine's default (verify.VERIFY_CAP)
     on_full: str = defaults.ON_FULL
