@@ -233,7 +233,7 @@ def test_chat_through_a_pty(chat, tmp_path):
     out = c2.ask("/stats")
     assert "No turn yet" in out
     out = c2.ask(f"/load {conv}")
-    assert re.search(r"Loaded 4 messages; budget 1\.0 · evictor snapkv · gate verify · verify-tokens 64 · "
+    assert re.search(r"Loaded 4 messages; budget 1\.0 · evictor snapkv-spans · gate verify · verify-tokens 64 · "
                      r"on-full evict · temperature 0 · max-tokens 24", out), out
     out = c2.ask("/stats")  # a re-prefill is no turn: no decision to show, the cells it holds
     assert "No turn yet" in out and "re-prefilled since" in out, out
@@ -277,7 +277,7 @@ def test_an_evicted_chat_saved_and_loaded_in_a_new_process_continues_identically
 
     c2 = chat()  # started with the default settings: they come back from the file
     out = c2.ask(f"/load {saved}")
-    assert re.search(r"Loaded 2 messages and their KV cache \(\d+ cells, as saved\); budget 64 · evictor snapkv · "
+    assert re.search(r"Loaded 2 messages and their KV cache \(\d+ cells, as saved\); budget 64 · evictor snapkv-spans · "
                      r"gate always · verify-tokens 16 · on-full refuse · temperature 0 · max-tokens 24", out), out
     assert f"KV cache ({held} cells, as saved)" in out, (held, out)  # the cache as the first process held it
     assert answer(c2.ask(question)) == first  # the same tokens, and the same eviction on the way
