@@ -127,3 +127,22 @@ def test_a_speed_evictor_needing_sentences_is_told_where_they_are(smollm2_path):
         bare = Pipeline(eng.ctx, eng.model)
         with pytest.raises(ValueError, match="keeps whole sentences"):
             bare.signals(frozenset({"probe", "spans"}), None, 0, 0)
+
+
+def test_park_from_is_where_parking_pays_for_the_model(smollm2_path):
+    """The cells whose K and V weigh half the weights: SmolLM2 (98 MB, 23 KB a cell in f16) at 2048; a q8_0 cache
+    halves a cell, so twice as many; an explicit park_from wins."""
+    from page_local.engine.parking import PARK_FROM, park_from_for
+
+    assert park_from_for(98_362_432, 30 * 3 * 128 * 2) == 2048
+    assert park_from_for(491_400_064, 24 * 2 * 128 * 2) == 19968  # Qwen2.5-Coder-0.5B
+    assert park_from_for(10_000_000, 23_040) == PARK_FROM  # never below the floor
+    with Engine(smollm2_path, n_ctx=256, threads=THREADS, autotune=False, park=True) as eng:
+        assert eng.park_from == 2048
+        eng.set_park(True, 512)
+        assert eng.park_from == 512
+        eng.set_park(True)
+        assert eng.park_from == 2048
+    with Engine(smollm2_path, n_ctx=256, threads=THREADS, autotune=False, park=True, flash_attn="on",
+                cache_type="q8_0") as eng:
+        assert eng.park_from == 4096

@@ -273,7 +273,8 @@ def chat_engine_options(f):
                           "(page_local/engine/parking.py).")(f)
     f = click.option("--park-from", "park_from", default=None, type=click.IntRange(min=0),
                      help="With --park: below this many cells the full cache is kept, where setting tokens aside "
-                          "does not pay (default: 2048).")(f)
+                          "does not pay (default: from the model, where the cells' K and V weigh half its weights: 2048 "
+                          "on SmolLM2, ~20K on Qwen2.5-Coder-0.5B; page_local/engine/parking.py).")(f)
     return engine_options(f, defaults.CHAT_BUDGET, auto_n_ctx=True, evictor=defaults.CHAT_EVICTOR)
 
 

@@ -36,7 +36,7 @@ from page_local import defaults
 from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
-from page_local.engine.parking import N_SEQ, PARK_FROM, PARK_SEQ, Parking
+from page_local.engine.parking import N_SEQ, PARK_SEQ, Parking, park_from_for
 from page_local.engine.room import RoomMaker, answer_room, check_on_full
 from page_local.engine.selfcheck import AfterAnswer, Backoff, SelfCheck
 from page_local.engine.settings import SettingError, TurnSettings
@@ -100,7 +100,7 @@ class Engine:
                  on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
                  tune_progress=None, n_batch: int = 512,
                  attention_settings: attention.AttentionSettings | None = None, type_kv: str | None = None,
-                 park: bool = False, park_from: int = PARK_FROM):
+                 park: bool = False, park_from: int | None = None):
         """model: a GGUF path, None for the embedded default, or a loaded native Model that several engines
         share (a server's slots: one copy of the weights). A shared Model is borrowed: close() leaves it to
         its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own.
@@ -112,7 +112,8 @@ class Engine:
         else auto / f16. Or attention_settings: both as one attention.AttentionSettings, already resolved (the
         CLI's); the environment is then not read. rpc: HOST:PORT of ggml-rpc-servers whose devices take
         offloaded layers (None = $PAGE_LOCAL_RPC, () = none). park: evict for speed by parking (engine/parking.py:
-        the cells stay in memory and each message chooses again), from park_from cells on."""
+        the cells stay in memory and each message chooses again), from park_from cells on (None: where it pays for
+        this model and cache type, parking.park_from_for)."""
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < MIN_BATCH:
             raise ValueError(f"n_batch must be an int of at least {MIN_BATCH}, got {n_batch!r}")
         shared = model if isinstance(model, Model) else None
@@ -169,6 +170,8 @@ class Engine:
         self.room = RoomMaker(self.ctx, self.model, self.pipeline)  # room on demand (room.py)
         self.pipeline.spans = lambda held: self.room.spans(self.conv, held)  # sentences, for snapkv-spans
         self.parking = Parking(self.ctx)  # cells the speed budget parked (parking.py)
+        if self.park_from is None:
+            self.park_from = self.default_park_from()
         self.backoff = Backoff()  # a check refused turn after turn rests (selfcheck.py)
         self._progress_fn = None  # set_progress
 
@@ -177,12 +180,24 @@ class Engine:
         resolve_budget(budget, 10_000, W, N_SINK)  # validates (ratio or absolute) before use
         self.budget = budget
 
-    def set_park(self, park: bool, park_from: int = PARK_FROM) -> None:
+    def set_park(self, park: bool, park_from: int | None = None) -> None:
         """park: the speed budget parks cells (they stay in memory, out of the attention, and each message chooses
-        again) instead of evicting them for good; below park_from cells the full cache is kept."""
-        if isinstance(park_from, bool) or not isinstance(park_from, int) or park_from < 0:
+        again) instead of evicting them for good; below park_from cells the full cache is kept (None: this model's
+        default, default_park_from)."""
+        if park_from is not None and (isinstance(park_from, bool) or not isinstance(park_from, int) or park_from < 0):
             raise ValueError(f"park_from must be an int >= 0, got {park_from!r}")
-        self.park, self.park_from = bool(park), park_from
+        self.park = bool(park)
+        self.park_from = park_from if park_from is not None or getattr(self, "ctx", None) is None \
+            else self.default_park_from()
+
+    def default_park_from(self) -> int:
+        """Where parking starts to pay for this model and cache type (parking.park_from_for)."""
+        from page_local.store.sizing import CACHE_BYTES
+
+        m = self.model
+        head = m.n_embd // m.n_head
+        cell = m.n_layer * m.n_head_kv * 2 * head * CACHE_BYTES[self.attention.cache_type]
+        return park_from_for(Path(m.path).stat().st_size, cell)
 
     def set_ladder(self, ladder) -> None:
         """The budgets gate mode 'search' tries (ratios of the conversation or cell counts), e.g. the
