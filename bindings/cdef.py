@@ -51,6 +51,7 @@ int32_t llama_page_key_norms(const struct llama_context * ctx, llama_seq_id seq_
 int32_t llama_page_compact(struct llama_context * ctx, llama_seq_id seq_id);
 int32_t llama_page_park(struct llama_context * ctx, llama_seq_id seq_id, llama_seq_id park_seq, const llama_pos * positions, int32_t n, int32_t gap);
 int32_t llama_page_restore(struct llama_context * ctx, llama_seq_id seq_id, llama_seq_id park_seq, const llama_pos * positions, int32_t n);
+int32_t llama_page_order(struct llama_context * ctx, llama_seq_id seq_id);
 int32_t llama_page_debug_poison(struct llama_context * ctx, llama_seq_id seq_id, const llama_pos * positions, int32_t n);
 const char * llama_page_last_error(void);
 """

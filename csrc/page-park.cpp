@@ -377,6 +377,65 @@ int32_t llama_page_restore(llama_context * ctx, llama_seq_id seq_id, llama_seq_i
     }
 }
 
+int32_t llama_page_order(llama_context * ctx, llama_seq_id seq_id) {
+    page_set_error("");
+    if (!ctx) {
+        page_set_error("order: ctx is NULL");
+        return LLAMA_PAGE_ERR_INVALID_ARG;
+    }
+    if (int32_t rc = page_check_seq(ctx, seq_id); rc != LLAMA_PAGE_OK) {
+        return rc;
+    }
+    try {
+        const std::vector<llama_kv_cache *> caches = page_caches(ctx);
+        // first every check, so that a refusal changes nothing
+        std::vector<cell_moves> plan;
+        for (llama_kv_cache * kv : caches) {
+            if (std::string err = llama_page_kv_access::why_not_movable(*kv); !err.empty()) {
+                page_set_error("order: " + err + "; nothing was changed");
+                return LLAMA_PAGE_ERR_UNSUPPORTED;
+            }
+            const uint32_t strm = kv->get_stream(seq_id);
+            const llama_kv_cells & cells = llama_page_kv_access::cells(*kv, strm);
+            const auto & by_pos = cells.seq_pos_get(seq_id); // (pos, cell), ordered by position
+            if (by_pos.size() != cells.get_used()) {
+                page_set_error("order: other sequences hold cells of this stream; only a stream that sequence " +
+                               std::to_string(seq_id) + " holds alone is put in order (nothing was changed)");
+                return LLAMA_PAGE_ERR_UNSUPPORTED;
+            }
+            cell_moves moves;
+            uint32_t k = 0;
+            for (const auto & [pos, cell] : by_pos) {
+                if (cells.seq_get_all(cell).count() != 1) {
+                    page_set_error("order: a cell of sequence " + std::to_string(seq_id) +
+                                   " is shared with another sequence (nothing was changed)");
+                    return LLAMA_PAGE_ERR_UNSUPPORTED;
+                }
+                if (cell != k) {
+                    moves.emplace_back(cell, k);
+                }
+                ++k;
+            }
+            if (std::string err = page_check_shifts(cells, moves); !err.empty()) {
+                page_set_error("order: " + err + " (nothing was changed)");
+                return LLAMA_PAGE_ERR_UNSUPPORTED;
+            }
+            plan.push_back(std::move(moves));
+        }
+        llama_synchronize(ctx); // no decode may still be writing the cache
+        for (size_t c = 0; c < caches.size(); ++c) {
+            const uint32_t strm = caches[c]->get_stream(seq_id);
+            page_move_cells(*caches[c], strm, plan[c]);
+            llama_page_kv_access::set_head(*caches[c], strm,
+                                           (uint32_t) llama_page_kv_access::cells(*caches[c], strm).get_used());
+        }
+        return LLAMA_PAGE_OK;
+    } catch (const std::exception & e) {
+        page_set_error(std::string("order: internal: ") + e.what() + "; the KV cache may be partly moved and must be cleared");
+        return LLAMA_PAGE_ERR_INTERNAL;
+    }
+}
+
 int32_t llama_page_debug_poison(llama_context * ctx, llama_seq_id seq_id, const llama_pos * positions, int32_t n) {
     page_set_error("");
     if (!ctx || n < 0 || (n > 0 && !positions)) {

@@ -19,6 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from page_local.errors import PageError  # noqa: E402
 from page_local.native.pageops import InvalidArgument, InvalidPositions  # noqa: E402
 from tests.conftest import random_tokens  # noqa: E402
 from tests.test_compact import CONFIGS, gemma3, probe_capture, query_token, read_layout, setup_model  # noqa: E402
@@ -133,6 +134,26 @@ def test_restore_gives_the_never_parked_outputs(smollm2, make_ctx, flash_attn):
     ctx.page.park(0, PARK, chosen(seed=2, n=300), gap=0)
     ctx.page.restore(0, PARK)
     assert_close(next_logits(ctx), never)
+
+    # in position order again (llama_page_order), the cells are read as never parked: the same bits
+    ctx.page.order(0)
+    np.testing.assert_array_equal(next_logits(ctx), never)
+    np.testing.assert_array_equal(ctx.page.key_norms(0, smollm2.n_layer, smollm2.n_head_kv), norms)
+
+
+def test_order_refuses_a_stream_it_does_not_hold_alone(smollm2, make_ctx):
+    ctx = prefill(make_ctx, smollm2)
+    park = chosen()
+    ctx.page.park(0, PARK, park, gap=16)
+    with pytest.raises(PageError, match="other sequences hold cells"):
+        ctx.page.order(0)  # the parked cells are another sequence's
+    assert ctx.page.parked(PARK).tolist() == park.tolist()
+    ctx.page.restore(0, PARK)
+    ctx.seq_cp(0, 1, 0, 10)  # shared cells
+    with pytest.raises(PageError, match="shared with another sequence"):
+        ctx.page.order(0)
+    ctx.seq_rm(1, -1, -1)
+    ctx.page.order(0)
 
 
 def test_compaction_keeps_parked_cells(smollm2, make_ctx):

@@ -47,6 +47,29 @@ def test_a_later_turn_finds_what_parking_kept(smollm2_path):
         assert answer == full[2]
 
 
+def test_a_restored_conversation_reads_as_the_full_cache_bit_for_bit(smollm2_path):
+    """Parked cells come back in position order (llama_page_order) and a turn whose answer ended inside the check
+    keeps every cell the full cache computed: the next turn's log-probabilities are the never-parked ones, exactly
+    (turn 2 commits and parks three quarters; turn 3 is read after every cell returned)."""
+    from page_local.engine.decision import Sampling
+
+    def run(eng):
+        s, out = ChatSession(eng), []
+        for text in TURNS:
+            st = s.send(text, max_tokens=16, sampling=Sampling(logprobs=4))
+            "".join(st)
+            out.append((st.result.logprobs, st.decision))
+        return out
+
+    with Engine(smollm2_path, n_ctx=2048, budget=1.0, gate="verify", threads=THREADS, autotune=False) as eng:
+        full = run(eng)
+    eng, _ = chat(smollm2_path, budget=0.25, park=True, park_from=0)
+    with eng:
+        parked = run(eng)
+        assert parked[1][1].evicted and parked[1][1].parked > 400 and parked[2][1].restored > 400
+    assert parked[2][0] == full[2][0]  # every answer token and its 4 best alternatives, the same floats
+
+
 def test_a_parked_chat_continues_identically_after_load(smollm2_path, tmp_path):
     eng, s = chat(smollm2_path, budget=0.25, park=True, park_from=0)
     with eng:

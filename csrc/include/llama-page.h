@@ -171,6 +171,13 @@ LLAMA_API int32_t llama_page_park(struct llama_context * ctx, llama_seq_id seq_i
 LLAMA_API int32_t llama_page_restore(struct llama_context * ctx, llama_seq_id seq_id, llama_seq_id park_seq,
                                      const llama_pos * positions, int32_t n);
 
+// Put seq_id's cells in position order from cell 0 (cell k holds its k-th position), as a conversation that was
+// never evicted or parked lies: after llama_page_restore of every parked position, the next decode then reads the
+// cells in the order a never-parked cache does and its outputs are the same bits. Only for a stream seq_id holds
+// alone (no other sequence's cells, no shared cell), else LLAMA_PAGE_ERR_UNSUPPORTED and nothing changed; the
+// other conditions of llama_page_compact apply.
+LLAMA_API int32_t llama_page_order(struct llama_context * ctx, llama_seq_id seq_id);
+
 // For tests: overwrite the K and V bytes of seq_id's cells at the given positions with 0xFF (NaN in f32, f16 and
 // bf16, and in the block scales of quantized types), so that any decode that reads them outputs NaN.
 LLAMA_API int32_t llama_page_debug_poison(struct llama_context * ctx, llama_seq_id seq_id, const llama_pos * positions, int32_t n);

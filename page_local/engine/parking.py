@@ -5,8 +5,10 @@ what went finds nothing. Parking keeps those cells in memory under a sequence of
 the attended range (llama_page_park: they sit past the cells a decode reads, so it costs them nothing). Each
 message chooses again:
 
-  1. before the message is read, every parked cell returns to the conversation (llama_page_restore, in place:
-     nothing moves) — unless the cache cannot hold the message and its answer beside them: then the parked
+  1. before the message is read, every parked cell returns to the conversation (llama_page_restore), and the
+     cells are put back in position order (llama_page_order: the next decode reads them as a never-parked cache
+     does, so the message is read, and an answer within the check decoded, bit for bit as with the full cache)
+     — unless the cache cannot hold the message and its answer beside them: then the parked
      cells go for good first, lowest ranked first (the wall: `unpark`), and only then does room-making (room.py)
      evict held ones;
   2. the message is read over the whole conversation, and its last tokens' probe ranks every cell;
@@ -113,5 +115,7 @@ class Parking:
         restored = len(self.scores)
         if restored:
             ctx.page.restore(0, PARK_SEQ)
+            if not dropped:  # the conversation whole again: its cells in position order, as if never parked
+                ctx.page.order(0)
         self.scores = {}
         return restored, dropped

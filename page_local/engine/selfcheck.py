@@ -74,9 +74,11 @@ class SelfCheck:
             drop = np.setdiff1d(ctx.page.positions(0), ctx.page.positions(1), assume_unique=True)
             ctx.seq_rm(1, -1, -1)
             p = ctx.seq_pos_max(0)
-            ctx.seq_rm(0, p, p + 1)  # the newest token again, so that the next one is sampled from this cache
+            if end is None:  # the answer goes on: its newest token again, so that the next is sampled from this cache
+                ctx.seq_rm(0, p, p + 1)
             self.park(drop, m)
-            ctx.decode([out[-1]], p, 0)
+            if end is None:  # (an answer that ended keeps every cell the full cache computed: restored, the
+                ctx.decode([out[-1]], p, 0)  # conversation is the full cache's, bit for bit)
         elif commit:  # the candidate already holds the m tokens: it becomes the sequence
             ctx.seq_rm(0, -1, -1)
             ctx.seq_cp(1, 0)

@@ -174,6 +174,12 @@ class PageOps:
         self._check(self._lib.llama_page_restore(self._ctx, int(seq_id), int(park_seq), _ptr(self._ffi, "llama_pos *", arr),
                                                  arr.size))
 
+    def order(self, seq_id: int) -> None:
+        """Put seq_id's cells in position order from cell 0, as a never-parked conversation lies (after a restore of
+        every parked cell: the next decode is then the never-parked one, bit for bit). Only when seq_id alone holds
+        its cells."""
+        self._check(self._lib.llama_page_order(self._ctx, int(seq_id)))
+
     def parked(self, park_seq: int) -> np.ndarray:
         """i32 (n,) positions parked under park_seq, ascending."""
         return self.positions(park_seq)
