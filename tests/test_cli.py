@@ -335,15 +335,15 @@ def test_bench_memory_gives_its_child_processes_the_settings_as_arguments(monkey
 
     monkeypatch.setattr(subprocess, "run", child)
     peak_memory("m.gguf", tokens=256, attention_settings=AttentionSettings("off", "f16"),
-                rpc=["127.0.0.1:50052", "127.0.0.1:50053"])
-    assert [argv[-3:] for argv, _ in calls] == [["off", "f16", "127.0.0.1:50052,127.0.0.1:50053"]] * 2
+                rpc=["127.0.0.1:50052", "127.0.0.1:50053"], park=True)
+    assert [argv[-4:] for argv, _ in calls] == [["off", "f16", "127.0.0.1:50052,127.0.0.1:50053", "1"]] * 2
     assert all("env" not in kwargs for _, kwargs in calls)
     calls.clear()
     monkeypatch.setenv(FLASH_ENV, "on")  # a library caller's defaults: the environment, read here, once
     monkeypatch.setenv(CACHE_ENV, "q8_0")
     monkeypatch.delenv(RPC_ENV, raising=False)
     peak_memory("m.gguf", tokens=256)
-    assert [argv[-3:] for argv, _ in calls] == [["on", "q8_0", ""]] * 2
+    assert [argv[-4:] for argv, _ in calls] == [["on", "q8_0", "", "0"]] * 2
 
 
 @pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / "build-peer" / "bin" / "llama-server").is_file(),

@@ -292,12 +292,13 @@ def sized_n_ctx(path: Path, n_ctx: int | None, attention_settings, n_gpu_layers,
     how it was chosen, in words."""
     if n_ctx is not None:
         return n_ctx, f"{n_ctx} (--n-ctx)"
-    from page_local.native.runtime import default_n_gpu_layers
+    from page_local.native.runtime import check_gguf, default_n_gpu_layers
     from page_local.store.sizing import default_n_ctx
 
     gpu = (default_n_gpu_layers(bool(rpc)) if n_gpu_layers is None else n_gpu_layers) != 0
     cache = attention_settings.cache_type if attention_settings is not None else "f16"
     with one_line_errors():
+        check_gguf(path)  # a missing or non-GGUF file is told as loading it would tell it
         return default_n_ctx(path, cache_type=cache, slots=slots, gpu=gpu)
 
 
