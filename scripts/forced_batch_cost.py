@@ -3,8 +3,9 @@
 The check teacher-forces the answer on the evicted copy in chunks of 4, 8, 16... tokens. With flash attention on
 (page-local's default path, whose decode kernel serves one-token steps) a chunk of 2..63 tokens runs llama.cpp's
 per-row flash-attention path (`one_chunk`: neither the split-KV decode kernel nor the tiled prompt kernel), which
-at a few thousand cells costs more per token than a one-token step; with flash attention off a chunk is cheaper
-per token than a step. Run alone:
+at a few thousand cells, every one visible (as here: a copy of the whole sequence), costs more per token than a
+one-token step; with flash attention off a chunk is cheaper per token than a step. (The check's own candidate sees
+a quarter of the cells, and that path skips masked ones: docs/benchmarks.md, "Parking".) Run alone:
 
     python scripts/forced_batch_cost.py [--cells 2800] [--threads 1]
 """
