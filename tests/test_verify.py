@@ -266,7 +266,10 @@ def test_a_check_refused_turn_after_turn_rests(smollm2_path):
                 assert d.check_rested >= 2  # the refusals in a row that led here
         # 40 cells cannot hold the number: every check that runs is refused (the premise, checked)
         assert seen == ["refused", "refused", "rest", "refused", "rest", "rest", "refused"], seen
-        eng.reset()
+        n = len(eng.history)
+        eng.rewind(n - 3)  # the last answer's tail: the conversation the refusals were counted on is still there
+        assert eng.backoff.refused == 4
+        eng.rewind(eng.backoff.at)  # back to before the last checked message: they go with it
         assert eng.backoff.refused == 0 and eng.backoff.rest == 0
 
 

@@ -287,6 +287,8 @@ class Engine:
                 self.parking.unpark(self.conv, 0)  # the tail's parked cells go with it, the others are held again
                 self.ctx.seq_rm(0, self.conv.pos[n_tokens], -1)
             self.conv.truncate(n_tokens)
+            if n_tokens <= self.backoff.at:  # the message the refusals were counted on is gone
+                self.backoff.reset()
 
     def snapshot(self) -> Snapshot:
         """The conversation's cache and token history, copied to host memory (see restore)."""
@@ -584,7 +586,7 @@ class Engine:
         try:
             yield from loop
             if check is not None and dec.verify_m is not None:  # the check ran: its verdict counts
-                self.backoff.record(dec.evicted)
+                self.backoff.record(dec.evicted, start)
         finally:
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
             sampler.close()

@@ -147,7 +147,9 @@ class Backoff:
     A refused check costs its candidate's selection and forced tokens and buys nothing; where it keeps failing
     (free prose, which a quarter of the cache rarely reproduces token for token), it would be paid on every turn
     (bench chat: 0.85-0.95x the full cache's decode on such a chat). Resting keeps exactly what a refused check
-    keeps, the full cache, without the cost; the conversation is checked again after the rest."""
+    keeps, the full cache, without the cost; the conversation is checked again after the rest. The verdicts belong
+    to the conversation they were made on: a rewind before the last checked message (a server slot taking another
+    conversation, an edited message) starts over."""
 
     REFUSALS = 2
     MAX_REST = 8
@@ -159,6 +161,7 @@ class Backoff:
         self.refused = 0  # checks refused in a row
         self.rest = 0  # turns left to keep the full cache unchecked
         self._next_rest = 1
+        self.at = 0  # where the last checked message began (history index): rewound before it, the verdicts go too
 
     def resting(self) -> bool:
         """True (and one turn of rest used) if this turn keeps the full cache without a check."""
@@ -167,11 +170,12 @@ class Backoff:
         self.rest -= 1
         return True
 
-    def record(self, passed: bool) -> None:
-        """A check's verdict."""
+    def record(self, passed: bool, at: int = 0) -> None:
+        """A check's verdict on the message that began at history index `at`."""
         if passed:
             self.reset()
             return
+        self.at = at
         self.refused += 1
         if self.refused >= self.REFUSALS:
             self.rest = self._next_rest
