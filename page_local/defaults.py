@@ -6,6 +6,9 @@ BUDGET = 0.25  # fraction of the prompt's cells kept when the gate opens (or an 
 # later turn asks about (SmolLM2 0.52 vs 0.58 overall, Qwen2.5-Coder 1x 0.83 vs 1.00).
 CHAT_BUDGET = 1.0
 CHAT_PARK = False  # chat and serve: a speed budget below 1 parks cells (engine/parking.py) instead of deleting them
+# chat and serve: a message after one that room-making cut reads the conversation again (engine/room.py); off
+# until the long-document evaluation's second questions say it pays for its reading (issue 43)
+CHAT_REREAD = False
 # chat and serve: the speed budget keeps whole sentences, as room-making does. On multi-turn magic-number chats at
 # a quarter of the cache the verify check passed on 0 of 54 turns with snapkv's pooled cells (the value's last
 # digits lost) and on most with sentences (docs/results.md, "Parking in conversations")

@@ -79,3 +79,47 @@ def test_a_generic_share_keeps_the_same_number_of_cells_and_leaves_no_probe_behi
         assert eng.conv.pos == list(range(len(eng.history)))  # the probe decodes took no position
         assert np.isin(eng.ctx.page.positions(0), eng.conv.pos).all()  # and left no cell behind
     assert kept["question"][0] == kept["question+generic"][0]
+
+
+def test_reading_again_brings_back_what_the_first_question_let_go(run):
+    """Engine reread (eval policy room-reread): the message after a cut reads the conversation again from the first
+    token room-making deleted, ranked by itself. Document 0 at 2x n_ctx 512, first question about fact 2, second
+    about fact 0: without reading again, the second turn finds none of fact 0's sentence (the first question let
+    it go); with it, every token of that sentence is held for the answer, the conversation's tokens are the same, and the
+    status line says what was read again. (Engine.prefill, which answers nothing, never reads again: the next
+    answered message does.)"""
+    from page_local.engine.narrate import room_words
+    from page_local.engine.room import reread_from
+
+    cell = ld.Cell(512, 2.0)
+    doc = run.document(cell, 0)
+    prompts = [run.prompter.tokens(doc.message(q)) for q in range(ld.FACTS)]
+    f2 = doc.facts[0]
+    out = {}
+    for policy in ("room-spans", "room-reread"):
+        eng = run.engine(policy, cell)
+        assert eng.reread == (policy == "room-reread")
+        r = ld.reading(policy, prompts, cell.n_ctx, run.max_tokens, eng.n_keep)
+        snap, _ = ld.read_shared(eng, r)
+        first = ld.ask(eng, snap, r.suffix[2], run.max_tokens)
+        assert first["room_evicted"] > 0
+        cut = reread_from(eng.conv)
+        n_before = len(eng.history)
+        assert eng.history[:len(prompts[2])] == prompts[2]
+        second = ld.QUESTION.format(**f2.__dict__)
+        prev = run.prompter.render([("user", doc.message(2))]) + first["answer"]
+        after = run.prompter.render([("user", doc.message(2)), ("assistant", first["answer"]), ("user", second)])
+        delta = eng.model.tokenize(after[len(prev):], add_special=False)
+        s = eng.stream(delta, max_tokens=run.max_tokens, add_special=False)
+        answer = "".join(s)
+        d = s.decision
+        idx = fact_cells(eng.model, eng.history, ld.FACT.format(**f2.__dict__))
+        held = eng.cache_map()[0][idx]
+        eng.rewind(n_before + len(delta))  # the conversation before the answer, to compare
+        out[policy] = dict(history=list(eng.history), held=held, d=d, cut=cut, n=n_before, answer=answer)
+    spans, again = out["room-spans"], out["room-reread"]
+    assert spans["history"] == again["history"]  # the same conversation, token for token
+    assert spans["d"].reread == 0 and again["d"].reread == again["n"] - again["cut"] > 0
+    assert again["held"].all(), again["held"]  # the second question's fact, whole, ranked by its own question
+    assert not spans["held"].any(), spans["held"]  # as the first question left it: gone
+    assert f"{again['d'].reread} earlier tokens read again" in room_words(again["d"])

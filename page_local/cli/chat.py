@@ -20,7 +20,7 @@ from page_local.cli.repl import MAX_TOKENS, Repl, run_loop, stdin_reader, termin
 @click.option("--system", default=None, help="system prompt")
 @click.option("--max-tokens", default=MAX_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5), help="0 = greedy")
-def chat_cmd(model, park, park_from, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers, rpc,
+def chat_cmd(model, reread, park, park_from, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers, rpc,
              attention_settings, allow_long_context, ladder, system, max_tokens, temperature):
     """Chat with a local model; what the cache went through is shown after each answer (/why explains it)."""
     show_llama_log()  # also when the command is invoked on its own, outside the `page-local` group
@@ -33,7 +33,7 @@ def chat_cmd(model, park, park_from, budget, evictor, gate, verify_tokens, on_fu
         engine = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads,
                         verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, rpc=rpc,
                         attention_settings=attention_settings, on_full=on_full, ladder=ladder,
-                        allow_long_context=allow_long_context, tune_progress=tune_progress, park=park,
+                        allow_long_context=allow_long_context, tune_progress=tune_progress, park=park, reread=reread,
                         **({} if park_from is None else {"park_from": park_from}))
     with engine:
         with one_line_errors():  # a model without a usable chat template

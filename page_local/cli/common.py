@@ -266,7 +266,7 @@ def engine_options(f, budget=defaults.BUDGET, auto_n_ctx: bool = False, evictor:
 
 def chat_engine_options(f):
     """engine_options for conversations (chat, serve): the budget defaults to defaults.CHAT_BUDGET, the evictor to
-    defaults.CHAT_EVICTOR; --park."""
+    defaults.CHAT_EVICTOR; --park, --reread."""
     f = click.option("--park/--no-park", default=defaults.CHAT_PARK, show_default=True,
                      help="The speed budget sets cells aside instead of deleting them: they stay in memory, out of "
                           "the attention, and come back before each message, which chooses again "
@@ -275,6 +275,10 @@ def chat_engine_options(f):
                      help="With --park: below this many cells the full cache is kept, where setting tokens aside "
                           "does not pay (default: from the model, where the cells' K and V weigh half its weights: 2048 "
                           "on SmolLM2, ~20K on Qwen2.5-Coder-0.5B; page_local/engine/parking.py).")(f)
+    f = click.option("--reread/--no-reread", default=defaults.CHAT_REREAD, show_default=True,
+                     help="After a message too long for the context was cut to fit, the next message reads the "
+                          "conversation again from the first deleted token, keeping what it asks about (a second "
+                          "question about a long document); costs that reading each message (page_local/engine/room.py).")(f)
     return engine_options(f, defaults.CHAT_BUDGET, auto_n_ctx=True, evictor=defaults.CHAT_EVICTOR)
 
 

@@ -118,7 +118,7 @@ def served_name(path) -> str:
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="Allow web pages from ORIGIN, e.g. http://localhost:3000 (repeatable; '*' for any). Without it a "
                    "request from another site's page is refused (403), and no CORS headers are sent.")
-def serve_cmd(model, park, park_from, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers, rpc,
+def serve_cmd(model, reread, park, park_from, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers, rpc,
               attention_settings, allow_long_context, host, port, api_keys, api_key_file, allow_hosts, parallel,
               queue, cache_mb, max_tokens_limit, max_body_kb, cors_origins):
     """An OpenAI-compatible HTTP server on this machine: /v1/chat/completions, /v1/completions,
@@ -149,7 +149,7 @@ def serve_cmd(model, park, park_from, budget, evictor, gate, verify_tokens, on_f
                         parallel=parallel, queue=queue, cache_bytes=cache_mb * 2**20,
                         max_tokens_limit=max_tokens_limit or 0, max_body_bytes=max_body_kb * 1024, api_keys=keys,
                         cors_origins=cors_origins, host=host, allow_hosts=allow_hosts, park=park,
-                        park_from=park_from)
+                        park_from=park_from, reread=reread)
     backend = Backend(settings)
 
     class Server(uvicorn.Server):

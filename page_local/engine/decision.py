@@ -55,6 +55,7 @@ class Decision:
     prompt_held: int | None = None  # of them, how many the cache holds after prefill
     gaps_closed: int = 0  # positions the cells moved down to stay inside the trained context
     room_ranking: str | None = None  # what ranked the cells evicted to make room: question | recent (room.py)
+    reread: int = 0  # earlier tokens read again before this message (Engine reread: room-making had cut them)
     room_probe_ms: float = 0.0  # decoding the message's last W tokens to rank them (W per eviction), ms
     # parking (engine/parking.py): cells the speed budget took out of the attention, kept in memory
     parked: int = 0  # cells parked after this turn's decision

@@ -37,7 +37,7 @@ from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
 from page_local.engine.parking import N_SEQ, PARK_SEQ, Parking, park_from_for
-from page_local.engine.room import RoomMaker, answer_room, check_on_full
+from page_local.engine.room import RoomMaker, answer_room, check_on_full, reread_from
 from page_local.engine.selfcheck import AfterAnswer, Backoff, SelfCheck
 from page_local.engine.settings import SettingError, TurnSettings
 from page_local.engine.transcript import Transcript
@@ -100,7 +100,7 @@ class Engine:
                  on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
                  tune_progress=None, n_batch: int = 512,
                  attention_settings: attention.AttentionSettings | None = None, type_kv: str | None = None,
-                 park: bool = False, park_from: int | None = None):
+                 park: bool = False, park_from: int | None = None, reread: bool = False):
         """model: a GGUF path, None for the embedded default, or a loaded native Model that several engines
         share (a server's slots: one copy of the weights). A shared Model is borrowed: close() leaves it to
         its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own.
@@ -113,7 +113,9 @@ class Engine:
         CLI's); the environment is then not read. rpc: HOST:PORT of ggml-rpc-servers whose devices take
         offloaded layers (None = $PAGE_LOCAL_RPC, () = none). park: evict for speed by parking (engine/parking.py:
         the cells stay in memory and each message chooses again), from park_from cells on (None: where it pays for
-        this model and cache type, parking.park_from_for)."""
+        this model and cache type, parking.park_from_for). reread: a message after one that room-making cut reads
+        the conversation again from the first token it deleted, ranked by the new message (room.py, "Reading
+        again"): what the cut deleted can come back for a later question, at the cost of reading it again."""
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < MIN_BATCH:
             raise ValueError(f"n_batch must be an int of at least {MIN_BATCH}, got {n_batch!r}")
         shared = model if isinstance(model, Model) else None
@@ -127,6 +129,7 @@ class Engine:
         self.n_keep = 0  # positions below it are never evicted to make room (ChatSession: the system prompt)
         self.set_budget(budget)
         self.set_park(park, park_from)
+        self.reread = bool(reread)
         self.set_ladder(ladder)
         self._evictor = supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = check_gate_mode(gate)  # validates the mode before loading anything
@@ -280,15 +283,18 @@ class Engine:
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= len(self.history):
             raise ValueError(f"n_tokens must be an int in [0, {len(self.history)}], got {n_tokens!r}")
         with self._busy():
-            if n_tokens == 0:
-                self.reset()
-                return
-            if n_tokens < len(self.history):
-                self.parking.unpark(self.conv, 0)  # the tail's parked cells go with it, the others are held again
-                self.ctx.seq_rm(0, self.conv.pos[n_tokens], -1)
-            self.conv.truncate(n_tokens)
-            if n_tokens <= self.backoff.at:  # the message the refusals were counted on is gone
-                self.backoff.reset()
+            self._rewind(n_tokens)
+
+    def _rewind(self, n_tokens: int) -> None:
+        if n_tokens == 0:
+            self.reset()
+            return
+        if n_tokens < len(self.history):
+            self.parking.unpark(self.conv, 0)  # the tail's parked cells go with it, the others are held again
+            self.ctx.seq_rm(0, self.conv.pos[n_tokens], -1)
+        self.conv.truncate(n_tokens)
+        if n_tokens <= self.backoff.at:  # the message the refusals were counted on is gone
+            self.backoff.reset()
 
     def snapshot(self) -> Snapshot:
         """The conversation's cache and token history, copied to host memory (see restore)."""
@@ -411,7 +417,7 @@ class Engine:
                             ladder=self.ladder, verify_tokens=verify_tokens or self.verify_tokens,
                             verify_rule=self.verify_rule, verify_threshold=self.verify_threshold, on_full=full,
                             n_keep=self.n_keep, compact=self.compact, seed=self.seed, park=self.park,
-                            park_from=self.park_from)
+                            park_from=self.park_from, reread=self.reread)
 
     def _fit_and_prefill(self, t: TurnSettings, toks: list[int], reserve: int, evict_now: bool,
                          select: bool = True) -> tuple[Decision, tuple | None]:
@@ -563,11 +569,17 @@ class Engine:
         if t.verifies:  # one copy of the answer (search batches first chunks if room is left)
             reserve += min(max_tokens, t.verify_tokens) + 1
         start = len(self.history)  # where this message begins: an answer never evicts it to make room
+        again = reread_from(self.conv) if t.reread and t.on_full == "evict" else None
+        if again is not None:  # read the conversation again from the first token room-making deleted
+            toks = self.history[again:] + toks
+            self._rewind(again)
         self.pipeline.progress = self._progress_of(len(toks))
         try:
             dec, plan = self._fit_and_prefill(t, toks, reserve, evict_now=not t.verifies)
         finally:
             self.pipeline.progress = None
+        if again is not None:
+            dec.reread = start - again
         stream.decision = dec
 
         # generation (generation.py), with the verify cap and room for a growing answer plugged in

@@ -66,6 +66,8 @@ def room_words(d: Decision) -> str | None:
     nothing: 'context full: 1840 earlier tokens deleted to make room (unchecked); read in 3 parts, 610 of its
     2604 tokens held; positions renumbered'."""
     parts = []
+    if d.reread:
+        parts.append(f"{d.reread} earlier tokens read again for this message (the context was cut before)")
     if d.restored:
         parts.append(f"{d.restored} set-aside tokens back for this message")
     if d.park_dropped:

@@ -36,6 +36,13 @@ issue 43 and lost a fact's last digits at 4x n_ctx (docs/design.md §5.1).
 about another part of a long message; W more tokens decoded per eviction. Measured, it does not keep that
 part any better than the question alone (docs/design.md §5.1); kept to compare.
 
+Reading again (Engine reread, off by default): what room-making deleted was chosen by the message that was
+read then; a later message about another part of it finds nothing (issue 43: a second question about a long
+document, 0 of 12 where the full cache answered 6). With reread, the message after a cut reads the conversation
+again from the first token room-making deleted (reread_from), through room-making ranked by the new message:
+the deleted part comes back if the new message asks about it. The cost is that reading again, every message
+while the conversation holds a cut (its time to first token is the long message's again); nothing else changes.
+
 Positions: eviction leaves gaps, and every turn appends after the highest position, so a long chat
 walks past the model's trained context while its cells still fit. close_gaps renumbers the held
 cells 0..n-1 (llama_memory_seq_add; llama.cpp re-rotates the keys as its context shift does).
@@ -89,6 +96,12 @@ def check_on_full(mode: str) -> str:
     if mode not in ON_FULL:
         raise ValueError(f"on_full must be one of {', '.join(ON_FULL)}; got {mode!r}")
     return mode
+
+
+def reread_from(conv: Transcript) -> int | None:
+    """The first history index room-making deleted (where reading again starts), None if it deleted none or
+    that is not known (a conversation restored from a snapshot)."""
+    return min(conv.room_out) if conv.room_out else None
 
 
 def check_room_ranking(mode: str) -> str:

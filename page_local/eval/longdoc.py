@@ -24,6 +24,9 @@ Policies (POLICIES), greedy answers of at most max_tokens, on the same documents
                when this evaluation began; the rows keep that meaning whatever the default becomes).
 * room-spans   the same reading, ranked by the question, with cells kept a sentence at a time (snapkv-spans,
                evictors/spans.py: a sentence's score is the sum of its cells'; room's default since issue 43).
+* room-reread  room-spans, and a message after the cut reads the conversation again from the first token room
+               made it delete (Engine reread): the same as room-spans on a first question; a second question
+               ranks the document again by itself, at the cost of that reading.
 * room-both    the same reading, kept a sentence at a time, the kept cells shared between the question and a
                generic query (room ranking "question+generic": GENERIC_SHARE of them ranked by KVzip's
                "Repeat the previous context exactly."), for a second question about another fact (measured at
@@ -78,13 +81,13 @@ from page_local.eval.rows import read_rows
 from page_local.tasks import synthetic
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
-POLICIES = ("full", "room", "room-spans", "room-both", "room-recent", "shift", "truncate", "server")
+POLICIES = ("full", "room", "room-spans", "room-reread", "room-both", "room-recent", "shift", "truncate", "server")
 # the policies that run (server: a 400, no run)
-RUN = ("full", "room", "room-spans", "room-both", "room-recent", "shift", "truncate")
-ROOM = ("room", "room-spans", "room-both", "room-recent")  # the policies that make room at the wall
+RUN = ("full", "room", "room-spans", "room-reread", "room-both", "room-recent", "shift", "truncate")
+ROOM = ("room", "room-spans", "room-reread", "room-both", "room-recent")  # the policies that make room at the wall
 # each room policy's evictor: "room" and "room-recent" are pinned to the pooled ranking their rows were made with
 ROOM_EVICTORS = {"room": ROOM_POOLED, "room-recent": ROOM_POOLED, "room-spans": ("snapkv-spans", {}),
-                 "room-both": ("snapkv-spans", {})}
+                 "room-reread": ("snapkv-spans", {}), "room-both": ("snapkv-spans", {})}
 ROOM_RANKING = {"room-recent": "recent", "room-both": "question+generic"}  # else "question"
 N_CTXS = (512, 1024)
 LENGTHS = (2, 4)
@@ -259,6 +262,7 @@ def set_policy(eng: Engine, policy: str) -> Engine:
     eng.set_room_ranking(ROOM_RANKING.get(policy, "question"))
     name, options = ROOM_EVICTORS.get(policy, ROOM_POOLED)
     eng.set_room_evictor(name, **options)
+    eng.reread = policy == "room-reread"
     return eng
 
 
@@ -309,7 +313,8 @@ def ask_next(eng: Engine, prompter: Prompter, first: str, answer: str, second: s
         refused = str(e)
     own = time.perf_counter() - t0
     return dict(answer="".join(pieces), first_s=first_s if first_s is not None else own, own_s=own,
-                room_evicted=s.decision.room_evicted if s.decision is not None else 0, refused=refused)
+                room_evicted=s.decision.room_evicted if s.decision is not None else 0, refused=refused,
+                reread=s.decision.reread if s.decision is not None else 0)
 
 
 def _key(row: dict) -> tuple:
@@ -442,6 +447,8 @@ class LongDocRun:
                 o2 = ask_next(eng, self.prompter, doc.message(q), o["answer"],
                               QUESTION.format(**doc.facts[q2].__dict__), self.max_tokens)
                 f2 = doc.facts[q2]
+                if o2["reread"]:
+                    row["second_reread"] = o2["reread"]
                 row.update(second=q2, second_kind=f2.what, second_depth=f2.depth, second_expected=f2.code,
                            second_answer=o2["answer"], second_ttft_s=round(o2["first_s"], 4),
                            second_correct=string_match_all(normalize_prediction(o2["answer"]), [f2.code]) == 1.0,

@@ -48,6 +48,7 @@ class Settings:
     budget: float | int = defaults.CHAT_BUDGET
     park: bool = defaults.CHAT_PARK  # the speed budget parks cells (engine/parking.py)
     park_from: int | None = None  # with park: the engine's park_from (None: its default)
+    reread: bool = defaults.CHAT_REREAD  # after a cut, the next message reads the conversation again (room.py)
     evictor: str = defaults.CHAT_EVICTOR
     gate: str = defaults.GATE
     verify_tokens: int | None = None  # None: the engine's default (verify.VERIFY_CAP)
@@ -138,7 +139,7 @@ class Backend:
                     extra["park_from"] = s.park_from
                 eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
                              threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
-                             allow_long_context=s.allow_long_context, park=s.park, **extra)
+                             allow_long_context=s.allow_long_context, park=s.park, reread=s.reread, **extra)
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
                     self.warnings.append(eng.profile_warning)
