@@ -187,6 +187,8 @@ def test_the_second_question_is_the_next_turn_about_another_fact(smollm2_path, t
         assert r["second_correct"] == (r["second_expected"] in r["second_answer"])
     assert "second_error" in rows["truncate"] and rows["truncate"]["second_answer"] == ""
     assert "second_error" not in rows["room-both"] and rows["room-both"]["room_evicted"] > 0
+    assert rows["full"]["fact_held"] == rows["full"]["second_fact_held"] == 1.0  # the full cache holds every fact
+    assert 0 <= rows["room-both"]["second_fact_held"] <= 1 and rows["truncate"]["fact_held"] <= 1
     s = {x["policy"]: x for x in summarize(list(rows.values()))}
     assert s["room-both"]["turns"] == 2 and s["room-both"]["second_correct"] == int(rows["room-both"]["second_correct"])
     md = markdown(list(s.values()))

@@ -21,15 +21,6 @@ def run(smollm2_path, tmp_path_factory):
         yield r
 
 
-def fact_cells(model, prompt: list[int], fact: str) -> np.ndarray:
-    """i64: the indices of the prompt tokens that hold the text `fact`."""
-    pieces = [model.token_to_piece(t, special=True) for t in prompt]
-    starts = np.cumsum([0] + [len(p) for p in pieces])
-    i = b"".join(pieces).find(fact.encode())
-    assert i >= 0, fact
-    return np.flatnonzero((starts[1:] > i) & (starts[:-1] < i + len(fact.encode())))
-
-
 @pytest.mark.parametrize("policy", ["room", "room-spans"], ids=["pooled-loses-the-last-digits", "spans-keep-them"])
 def test_the_fact_survives_four_contexts_of_reading_whole_or_not_at_all(run, policy):
     """The issue's failure, document 0 of eval longdoc at 4x n_ctx 512, its third fact ("The vault combination for
@@ -41,7 +32,8 @@ def test_the_fact_survives_four_contexts_of_reading_whole_or_not_at_all(run, pol
     prompts = [run.prompter.tokens(doc.message(q)) for q in range(ld.FACTS)]
     f = doc.facts[2]
     assert f.code == "4050"
-    idx = fact_cells(eng.model, prompts[2], ld.FACT.format(**f.__dict__))
+    idx = ld.text_cells(eng.model, prompts[2], ld.FACT.format(**f.__dict__))
+    assert len(idx) >= 10
     r = ld.reading(policy, prompts, cell.n_ctx, run.max_tokens, eng.n_keep)
     snap, _ = ld.read_shared(eng, r)
     o = ld.ask(eng, snap, r.suffix[2], run.max_tokens)
@@ -113,7 +105,8 @@ def test_reading_again_brings_back_what_the_first_question_let_go(run):
         s = eng.stream(delta, max_tokens=run.max_tokens, add_special=False)
         answer = "".join(s)
         d = s.decision
-        idx = fact_cells(eng.model, eng.history, ld.FACT.format(**f2.__dict__))
+        idx = ld.text_cells(eng.model, eng.history, ld.FACT.format(**f2.__dict__))
+        assert len(idx) >= 10 and ld.fact_held(eng, f2) == round(float(eng.cache_map()[0][idx].mean()), 3)
         held = eng.cache_map()[0][idx]
         eng.rewind(n_before + len(delta))  # the conversation before the answer, to compare
         out[policy] = dict(history=list(eng.history), held=held, d=d, cut=cut, n=n_before, answer=answer)

@@ -49,14 +49,15 @@ The second-question mode (second=True, `--second`; issue 43, item 3): after each
 turn asks about another fact of the document, two quarters away (q + SECOND, mod FACTS: half of the second
 questions are about a fact before the first one's, half after), in the same conversation, as a
 chat client sends it (the template's rendering of both turns, less what the cache already holds). Its
-rows carry turns=2 and second, second_expected, second_answer, second_correct, second_ttft_s; write them to
-their own file.
+rows carry turns=2 and second, second_expected, second_answer, second_correct, second_ttft_s,
+second_fact_held (and second_reread, the tokens read again, under room-reread); write them to their own file.
 
 Rows (JSONL, one per (document, question, policy), written as each finishes; a rerun with the same out
 skips the rows there): KEY_FIELDS, depth, expected, answer, correct, ttft_s (the shared reading's time
 plus the question's own time to its first answer token: what one question alone waits), decode_tok_s,
 shared_s (the reading, once per document), own_s (the question: restore, suffix, answer) and cost_s =
-shared_s / questions of the document + own_s, the cost of a question. The report: longdoc_report.py.
+shared_s / questions of the document + own_s, the cost of a question; fact_held, the share of the asked fact's
+sentence the cache holds after the answer (what the policy kept, apart from whether the model answered with it). The report: longdoc_report.py.
 """
 
 from __future__ import annotations
@@ -275,6 +276,28 @@ def read_shared(eng: Engine, r: Reading) -> tuple[object, float]:
     return eng.snapshot(), time.perf_counter() - t0
 
 
+def text_cells(model, tokens: Sequence[int], text: str) -> list[int]:
+    """The indices of the tokens whose text overlaps the first occurrence of `text` in theirs ([] if absent)."""
+    pieces = [model.token_to_piece(t, special=True) for t in tokens]
+    joined, needle = b"".join(pieces), text.encode()
+    i = joined.find(needle)
+    if i < 0:
+        return []
+    out, at = [], 0
+    for k, p in enumerate(pieces):
+        if at < i + len(needle) and at + len(p) > i:
+            out.append(k)
+        at += len(p)
+    return out
+
+
+def fact_held(eng: Engine, fact: Fact) -> float:
+    """The share of the fact's sentence the cache holds now (0 when the conversation does not hold its text: a
+    reading that cut it): what room-making kept, apart from whether the model then answers with it."""
+    idx = text_cells(eng.model, eng.history, FACT.format(**fact.__dict__))
+    return round(float(eng.cache_map()[0][idx].mean()), 3) if idx else 0.0
+
+
 def ask(eng: Engine, snap, suffix: Sequence[int], max_tokens: int) -> dict:
     """Restore the shared reading and answer one question: its suffix is prefilled (through room-making
     when the engine makes room) and the answer generated greedily."""
@@ -434,6 +457,7 @@ class LongDocRun:
         for q in qs:
             o = ask(eng, snap, r.suffix[q], self.max_tokens)
             fact = doc.facts[q]
+            held_share = fact_held(eng, fact)
             correct = string_match_all(normalize_prediction(o["answer"]), [fact.code]) == 1.0
             row = dict(self.row_base(cell, d, q, policy), kind=fact.what, depth=fact.depth, expected=fact.code,
                        answer=o["answer"], correct=correct, finish=o["finish"], gen_tokens=o["gen_tokens"],
@@ -441,12 +465,13 @@ class LongDocRun:
                        shared_s=round(shared_s, 4), own_s=round(o["own_s"], 4),
                        cost_s=round(shared_s / self.questions + o["own_s"], 4), prompt_tokens=len(prompts[q]),
                        read_tokens=r.held[q], held=o["held"], shared_tokens=len(r.shared),
-                       room_evicted=o["room_evicted"], chunks=o["chunks"])
+                       room_evicted=o["room_evicted"], chunks=o["chunks"], fact_held=held_share)
             if self.second:  # the next turn: the fact two quarters away (as often before the first as after it)
                 q2 = (q + SECOND) % FACTS
                 o2 = ask_next(eng, self.prompter, doc.message(q), o["answer"],
                               QUESTION.format(**doc.facts[q2].__dict__), self.max_tokens)
                 f2 = doc.facts[q2]
+                row["second_fact_held"] = fact_held(eng, doc.facts[q2])
                 if o2["reread"]:
                     row["second_reread"] = o2["reread"]
                 row.update(second=q2, second_kind=f2.what, second_depth=f2.depth, second_expected=f2.code,
