@@ -12,6 +12,7 @@ the second-question mode (turns=2) are summarized apart, with the second questio
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 
 from page_local.eval.longdoc import POLICIES
@@ -19,6 +20,7 @@ from page_local.eval.report import _table
 
 LABEL = {"full": "full cache", "room": "room, ranked by the question, pooled cells",
          "room-spans": "room, ranked by the question, whole sentences (default)",
+         "room-reread": "room, whole sentences, read again for the next message",
          "room-both": "room, ranked by the question and a generic query, whole sentences",
          "room-recent": "room, ranked by the newest queries", "shift": "context shift (llama.cpp)",
          "truncate": "truncation (Ollama)", "server": "llama-server (400 over the context)"}
@@ -36,14 +38,15 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def _mean(xs) -> float | None:
+def _median(xs) -> float | None:
     xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
+    return statistics.median(xs) if xs else None
 
 
 def summarize(rows: list[dict]) -> list[dict]:
     """One entry per (n_ctx, length, policy): n, correct, accuracy, its interval, the pairs against the full
-    cache on the same (document, question), mean TTFT, tok/s and cost per question."""
+    cache on the same (document, question), median TTFT, tok/s and cost per question; for second questions, their
+    median TTFT and how many found their fact's sentence whole in the cache (rows that record it)."""
     by = defaultdict(dict)  # (model, turns, n_ctx, length, policy) -> {(doc, question): row}
     for r in rows:
         by[(r["model"], r.get("turns", 1), r["n_ctx"], r["length"], r["policy"])][(r["doc"], r["question"])] = r
@@ -62,14 +65,17 @@ def summarize(rows: list[dict]) -> list[dict]:
                           second_wins=sum(bool(qs[q].get("second_correct")) and not full[q].get("second_correct")
                                           for q in both),
                           second_losses=sum(bool(full[q].get("second_correct")) and not qs[q].get("second_correct")
-                                            for q in both))
+                                            for q in both),
+                          second_ttft_s=_median(r.get("second_ttft_s") for r in qs.values()),
+                          second_whole=sum(r["second_fact_held"] == 1 for r in qs.values() if "second_fact_held" in r),
+                          second_recorded=sum("second_fact_held" in r for r in qs.values()))
         out.append(dict(model=model, turns=turns, n_ctx=n_ctx, length=length, policy=policy, n=n, correct=k,
                         accuracy=k / n if n else None, ci=(lo, hi), paired=len(both),
                         wins=sum(bool(qs[q]["correct"]) and not full[q]["correct"] for q in both),
                         losses=sum(bool(full[q]["correct"]) and not qs[q]["correct"] for q in both),
-                        ttft_s=_mean(r.get("ttft_s") for r in qs.values()),
-                        tok_s=_mean(r.get("decode_tok_s") for r in qs.values()),
-                        cost_s=_mean(r.get("cost_s") for r in qs.values()) if policy != "server" else None,
+                        ttft_s=_median(r.get("ttft_s") for r in qs.values()),
+                        tok_s=_median(r.get("decode_tok_s") for r in qs.values()),
+                        cost_s=_median(r.get("cost_s") for r in qs.values()) if policy != "server" else None,
                         **second))
     return out
 
@@ -105,12 +111,15 @@ def _turns_table(summary: list[dict], turns: int) -> list[str]:
         if turns == 2:
             pair2 = ("–" if s["policy"] == "full" or not s["paired"] else
                      f"{s['second_wins']} / {s['second_losses']}")
-            row += (f"{s['second_correct']}/{s['n']}", _acc(s["second_correct"], s["n"], s["second_ci"]), pair2)
+            whole = f"{s['second_whole']}/{s['second_recorded']}" if s["second_recorded"] else "–"
+            row += (f"{s['second_correct']}/{s['n']}", _acc(s["second_correct"], s["n"], s["second_ci"]), pair2,
+                    whole, _f(s["second_ttft_s"]))
         rows.append(row + (_f(s["ttft_s"]), _f(s["tok_s"]), _f(s["cost_s"])))
     head = ("n_ctx", "length", "policy", "right", "accuracy (95 % Wilson)",
             "vs full: it right & full wrong / full right & it wrong")
     if turns == 2:
         head = head[:3] + ("first right", "first accuracy (95 % Wilson)", "first vs full", "second right",
-                           "second accuracy (95 % Wilson)", "second vs full")
+                           "second accuracy (95 % Wilson)", "second vs full", "second's fact held whole",
+                           "second TTFT (s)")
     title = ["## The second question: the next turn asks about another fact", ""] if turns == 2 else []
     return title + [_table(head + ("TTFT (s)", "decode tok/s", "cost per question (s)"), rows), ""]
