@@ -721,3 +721,19 @@ def test_cli_chat_not_a_gguf(tmp_path, monkeypatch):
     res = CliRunner().invoke(chat_cmd, [], input="")
     assert res.exit_code == 1 and "not a GGUF model file" in res.output
     assert res.output.strip().count("\n") == 0  # one line
+
+
+def test_cli_chat_reread_reads_a_cut_document_again_for_the_next_question(smollm2_path, tmp_path):
+    """chat --reread: a document twice the context is read in parts (room made); the next message reads the
+    conversation again from the first token room-making deleted, and the status line says so. Without it the
+    next message reads only itself."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"Sentence {i} of the notes says the weather was mild on day {i}." for i in range(60))
+                   + " The locker number for the warm cotton gym is 3978.")
+    lines = f"/read {doc} What is the locker number for the warm cotton gym?\nWhat was the weather on day 3?\n/exit\n"
+    for flag in ("--reread", "--no-reread"):
+        res = CliRunner().invoke(chat_cmd, ["--model", str(smollm2_path), "--n-ctx", "512", "--max-tokens", "8",
+                                            "--threads", "1", flag], input=lines)
+        assert res.exit_code == 0, res.output
+        assert "earlier tokens deleted to make room" in res.output
+        assert ("earlier tokens read again for this message" in res.output) == (flag == "--reread"), res.output
