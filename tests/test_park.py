@@ -109,6 +109,32 @@ def test_a_decode_never_reads_a_parked_cell(smollm2, make_ctx, flash_attn, type_
     assert not np.isfinite(next_logits(ctx)).all()
 
 
+@pytest.mark.parametrize("flash_attn,type_kv", [("on", "f16"), ("on", "q8_0")])
+def test_a_chunk_never_reads_a_cell_its_sequence_does_not_hold(smollm2, make_ctx, flash_attn, type_kv):
+    """The verify check's forced chunk: a few tokens read at once on a copy of the sequence with three quarters of
+    its positions removed (the cells stay: sequence 0 holds them), inside the attended range. With flash attention
+    on, 2..63 rows run page-local's row kernel (csrc/kernels/page-fa-decode.cpp, page_fa_rows). (Flash attention
+    off, llama.cpp's KQ softmax reads such cells with weight 0, and 0 * NaN is NaN: parking keeps its cells out of the
+    attended range for that reason.)"""
+    ctx = prefill(make_ctx, smollm2, flash_attn=flash_attn, type_kv=type_kv)
+    gone = chosen()
+    ctx.seq_cp(0, 1, -1, -1)
+    ctx.page.evict(1, gone)
+    chunk = random_tokens(7, seed=5, hi=4000)
+
+    def chunk_logits() -> np.ndarray:
+        ctx.decode(chunk, PROMPT, 1, logits="all")
+        out = np.stack([ctx.logits(i) for i in range(len(chunk))])
+        ctx.seq_rm(1, PROMPT, -1)
+        return out
+
+    before = chunk_logits()
+    ctx.page.debug_poison(0, gone)  # the cells only sequence 0 holds: K and V NaN
+    np.testing.assert_array_equal(chunk_logits(), before)
+    ctx.page.debug_poison(0, ctx.page.positions(1)[50:51])  # a cell the copy holds: read, so NaN
+    assert not np.isfinite(chunk_logits()).all()
+
+
 @pytest.mark.parametrize("flash_attn", ["off", "on"])
 def test_restore_gives_the_never_parked_outputs(smollm2, make_ctx, flash_attn):
     ctx = prefill(make_ctx, smollm2, flash_attn=flash_attn)

@@ -13,6 +13,12 @@
 // block. llama.cpp's kernel (ggml_compute_forward_flash_attn_ext_f16_one_chunk) converts, exponentiates and
 // rescales once per cell and per head, in F16, and is 1.2-2.6x slower than the unfused KQ/softmax/KQV path at
 // 1K-8K cells on 2-core x86. Writes the same partials (M, S, VKQ) the reduction across threads reads.
+//
+// The same row computation serves 2..63 query rows (page_fa_rows): a short message read over a long conversation,
+// and the verify check's forced chunks of 4, 8, 16... tokens. llama.cpp runs those through one_chunk, one query
+// head and one row at a time over every cell (its tiled kernel starts at 64 rows), at about three decode steps per
+// token when every cell is visible; here each (KV head, row) pair is one pass over the cells, the G query heads
+// sharing each K and V load, the whole range in one thread (no partials).
 // $PAGE_LOCAL_FA_KERNEL=llama.cpp restores llama.cpp's own decode path bit for bit (tests replay rows with it).
 
 #include "page-kernels.h"
@@ -91,51 +97,72 @@ static inline void page_fa_pv(float * acc, int64_t DV, const float * p, int64_t 
 }
 #endif
 
-bool page_fa_decode_chunk(const ggml_tensor * dst, int64_t ic_start, int64_t ic_end,
-                          float * partials, int64_t partial_stride) {
-    const ggml_tensor * q     = dst->src[0];
-    const ggml_tensor * k     = dst->src[1];
-    const ggml_tensor * v     = dst->src[2];
-    const ggml_tensor * mask  = dst->src[3];
+namespace {
+
+constexpr int64_t BLK    = 32;   // cells per block
+constexpr int64_t MAX_D  = 256;  // head size
+constexpr int64_t MAX_G  = 16;   // query heads per KV head
+
+// What both entry points read from the op, checked once: the kernel's cases (F16 or a quantized cache with a
+// to_float, F32 queries, no sinks, ALiBi or softcap, heads up to 256, one stream, one mask for every head).
+struct page_fa_op {
+    const ggml_tensor * q, * k, * v, * mask;
+    float scale;
+    int64_t DK, DV, G, n_kv_heads;
+    bool f16;
+    ggml_to_float_t to_f32;
+};
+
+bool page_fa_read_op(const ggml_tensor * dst, page_fa_op & op) {
+    op.q = dst->src[0];
+    op.k = dst->src[1];
+    op.v = dst->src[2];
+    op.mask = dst->src[3];
     const ggml_tensor * sinks = dst->src[4];
-
-    constexpr int64_t BLK    = 32;   // cells per block
-    constexpr int64_t MAX_D  = 256;  // head size
-    constexpr int64_t MAX_G  = 16;   // query heads per KV head
-
-    float scale = 1.0f, max_bias = 0.0f, logit_softcap = 0.0f;
-    memcpy(&scale,         (const float *) dst->op_params + 0, sizeof(float));
+    float max_bias = 0.0f, logit_softcap = 0.0f;
+    memcpy(&op.scale,      (const float *) dst->op_params + 0, sizeof(float));
     memcpy(&max_bias,      (const float *) dst->op_params + 1, sizeof(float));
     memcpy(&logit_softcap, (const float *) dst->op_params + 2, sizeof(float));
-
-    const int64_t DK = k->ne[0], DV = v->ne[0];
-    const int64_t n_q_heads = q->ne[2], n_kv_heads = k->ne[2];
-    // an F16 cache, or a quantized one (q8_0, q4_0, ...: each row dequantized to F32 once per block)
-    const bool f16 = k->type == GGML_TYPE_F16;
-    const ggml_to_float_t to_f32 = f16 ? nullptr : ggml_get_type_traits(k->type)->to_float;
-    if (k->type != v->type || k->type == GGML_TYPE_F32 || (!f16 && !to_f32) || q->type != GGML_TYPE_F32 || sinks ||
-        max_bias != 0.0f || logit_softcap != 0.0f || DK > MAX_D || DV > MAX_D ||
-        q->ne[1] != 1 || q->ne[3] != 1 || k->ne[3] != 1 || v->ne[3] != 1 || v->ne[2] != n_kv_heads ||
-        n_kv_heads == 0 || n_q_heads % n_kv_heads != 0 || n_q_heads / n_kv_heads > MAX_G ||
-        (mask && (mask->ne[2] != 1 || mask->ne[3] != 1))) {
+    const ggml_tensor * q = op.q, * k = op.k, * v = op.v, * mask = op.mask;
+    op.DK = k->ne[0];
+    op.DV = v->ne[0];
+    const int64_t n_q_heads = q->ne[2];
+    op.n_kv_heads = k->ne[2];
+    op.f16 = k->type == GGML_TYPE_F16;
+    op.to_f32 = op.f16 ? nullptr : ggml_get_type_traits(k->type)->to_float;
+    if (k->type != v->type || k->type == GGML_TYPE_F32 || (!op.f16 && !op.to_f32) || q->type != GGML_TYPE_F32 ||
+        sinks || max_bias != 0.0f || logit_softcap != 0.0f || op.DK > MAX_D || op.DV > MAX_D ||
+        q->ne[3] != 1 || k->ne[3] != 1 || v->ne[3] != 1 || v->ne[2] != op.n_kv_heads ||
+        op.n_kv_heads == 0 || n_q_heads % op.n_kv_heads != 0 || n_q_heads / op.n_kv_heads > MAX_G ||
+        (mask && (mask->ne[2] != 1 || mask->ne[3] != 1 || mask->ne[1] < q->ne[1]))) {
         return false;
     }
-    const int64_t G = n_q_heads / n_kv_heads;
+    op.G = n_q_heads / op.n_kv_heads;
+    return true;
+}
+
+// Query row iq1's G heads that share KV head ik2, over cells [ic_start, ic_end): the online softmax's running
+// maximum M[g], sum S[g] and unnormalised output acc[g*DV ..]. Masked cells' values are never used.
+void page_fa_row(const page_fa_op & op, int64_t iq1, int64_t ik2, int64_t ic_start, int64_t ic_end,
+                 float * acc, float * M, float * S) {
+    const ggml_tensor * q = op.q, * k = op.k, * v = op.v, * mask = op.mask;
+    const int64_t DK = op.DK, DV = op.DV, G = op.G;
+    const bool f16 = op.f16;
+    const ggml_to_float_t to_f32 = op.to_f32;
+    const float scale = op.scale;
 
     alignas(64) float Qf [MAX_G*MAX_D];
-    alignas(64) float acc[MAX_G*MAX_D];
     alignas(64) float Kf [MAX_D];
     alignas(64) float Vf [MAX_D];
     alignas(64) float s  [MAX_G*BLK];
     alignas(64) float p  [MAX_G*BLK];
-    float M[MAX_G], S[MAX_G];
     bool  live[BLK];
 
-    const ggml_fp16_t * mp = mask ? (const ggml_fp16_t *) mask->data : nullptr;  // row 0: the one query
+    const ggml_fp16_t * mp = mask ? (const ggml_fp16_t *) ((const char *) mask->data + iq1*mask->nb[1]) : nullptr;
 
-    for (int64_t ik2 = 0; ik2 < n_kv_heads; ++ik2) {
+    {
         for (int64_t g = 0; g < G; ++g) {
-            const float * pq = (const float *) ((const char *) q->data + (ik2*G + g)*q->nb[2]);
+            const float * pq = (const float *) ((const char *) q->data + iq1*q->nb[1] + (ik2*G + g)*q->nb[2]);
             for (int64_t d = 0; d < DK; ++d) {
                 Qf[g*DK + d] = pq[d]*scale;
             }
@@ -271,13 +298,54 @@ bool page_fa_decode_chunk(const ggml_tensor * dst, int64_t ic_start, int64_t ic_
                 }
             }
         }
-        for (int64_t g = 0; g < G; ++g) {
-            float * partial = partials + (ik2*G + g)*partial_stride;
+    }
+}
+
+}  // namespace
+
+bool page_fa_decode_chunk(const ggml_tensor * dst, int64_t ic_start, int64_t ic_end,
+                          float * partials, int64_t partial_stride) {
+    page_fa_op op;
+    if (!page_fa_read_op(dst, op) || op.q->ne[1] != 1) {
+        return false;
+    }
+    alignas(64) float acc[MAX_G*MAX_D];
+    float M[MAX_G], S[MAX_G];
+    for (int64_t ik2 = 0; ik2 < op.n_kv_heads; ++ik2) {
+        page_fa_row(op, 0, ik2, ic_start, ic_end, acc, M, S);
+        for (int64_t g = 0; g < op.G; ++g) {
+            float * partial = partials + (ik2*op.G + g)*partial_stride;
             partial[0] = M[g];
             partial[1] = S[g];
-            memcpy(partial + 2, acc + g*DV, DV*sizeof(float));
+            memcpy(partial + 2, acc + g*op.DV, op.DV*sizeof(float));
         }
     }
     return true;
 }
 
+bool page_fa_rows(const ggml_tensor * dst, int ith, int nth) {
+    page_fa_op op;
+    if (!page_fa_read_op(dst, op)) {
+        return false;
+    }
+    // (KV head, query row) pairs, KV head first: a thread's consecutive rows read the same K and V
+    const int64_t N = op.q->ne[1];
+    const int64_t n_items = N*op.n_kv_heads;
+    const int64_t it0 = n_items*ith/nth, it1 = n_items*(ith + 1)/nth;
+    const int64_t nkv = op.k->ne[1];
+    alignas(64) float acc[MAX_G*MAX_D];
+    float M[MAX_G], S[MAX_G];
+    for (int64_t it = it0; it < it1; ++it) {
+        const int64_t ik2 = it / N, iq1 = it % N;
+        page_fa_row(op, iq1, ik2, 0, nkv, acc, M, S);
+        for (int64_t g = 0; g < op.G; ++g) {
+            // normalised as the split-KV path's reduction does (one chunk: the same bits as a one-token step)
+            float * o = acc + g*op.DV;
+            if (S[g] != 0.0f) {
+                ggml_vec_scale_f32((int) op.DV, o, 1.0f/S[g]);
+            }
+            memcpy((char *) dst->data + ((ik2*op.G + g) + iq1*dst->ne[1])*dst->nb[1], o, op.DV*sizeof(float));
+        }
+    }
+    return true;
+}

@@ -4,6 +4,7 @@
 // exactly ggml-cpu's flags (-march=native -mno-amx-*, -O3, its defines) and the generated code is what it was
 // when it sat inline in ops.cpp / ggml-cpu.c. The upstream files only hold call sites:
 //   csrc/patches/04-decode-kernel.patch    ops.cpp: the one-token split-KV path      -> page-fa-decode.cpp
+//                                          ops.cpp: 2..63 query rows                 -> page-fa-decode.cpp
 //   csrc/patches/05-prefill-kernels.patch  ops.cpp: the tiled prompt kernel          -> page-fa-tile.cpp
 //                                          ggml-cpu.c: the mul_mat chunk loop        -> page-matmul.c
 //                                          arch/x86/quants.c: #include of page-q4_1-x86.inc
@@ -29,6 +30,12 @@ bool page_fa_enabled(void);
 // Returns false (nothing written) for a case it does not cover; the caller then runs llama.cpp's kernel.
 bool page_fa_decode_chunk(const ggml_tensor * dst, int64_t ic_start, int64_t ic_end,
                           float * partials, int64_t partial_stride);
+
+// 2..63 query rows (a short message, the check's forced chunk; the tiled kernel starts at 64): thread ith of nth
+// takes its share of (KV head, query row) pairs and writes their normalised output to dst, each row as the decode
+// kernel computes one over every cell (masked cells skipped). Returns false (nothing written) for a case it does
+// not cover; every thread decides the same, and the caller then runs llama.cpp's per-row kernel.
+bool page_fa_rows(const ggml_tensor * dst, int ith, int nth);
 
 // The tiled prompt kernel's mask tile: rows [0, tile_rows) of query rows iq1.. of head iq2 (stream iq3), cells
 // [ic, ic + kv_tile), times slope, into mask32 (row stride KV_TILE), padded with -inf to KV_TILE; bit for bit
