@@ -31,6 +31,9 @@ def one_run(lib_dir: str | None, model: str | None, args) -> dict:
     env = dict(os.environ)
     if lib_dir:
         env["PAGE_LOCAL_LIB_DIR"] = os.path.abspath(lib_dir)
+        # libllama finds libggml*.so by its RUNPATH, the build tree it was linked in: a copied DIR would load the
+        # original tree's ggml-cpu (with the kernels) unless the loader looks in DIR first
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [os.path.abspath(lib_dir), env.get("LD_LIBRARY_PATH")]))
     env.pop("LLAMA_CPP_LIB_PATH", None)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
