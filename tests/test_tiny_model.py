@@ -120,12 +120,28 @@ def test_llama_logits_match_flash_attn(tiny):
 @needs_lib
 def test_llama_logits_match_flash_attn_single_token_decodes(tiny):
     toks = _tokens(tiny, 120)
-    split = [100] + [1] * 20  # tiled kernel for the prompt, one-row kernel (f16 accumulator) after
+    split = [100] + [1] * 20  # tiled kernel for the prompt, page-local's one-token decode kernel (f32) after
     got = tm.llama_cpp_logits(tiny.path, toks, flash_attn=True, all_logits=True, split=split)
     emulated = tm.reference_forward(tiny, toks, fa_f16=True, fa_split=split)
     assert _rel(got, emulated.logits) < 1e-3
     got_f32 = tm.llama_cpp_logits(tiny.path, toks, flash_attn=False, all_logits=True, split=split)
     assert _rel(got_f32, tm.reference_forward(tiny, toks).logits) < 1e-5
+
+
+@needs_lib
+def test_a_small_batch_matches_the_emulation_of_each_kernel(tiny, monkeypatch):
+    """A 20-token batch after the prompt: page-local's row kernel (f32) by default, llama.cpp's one-row kernel
+    (f16 Q and accumulator) with $PAGE_LOCAL_FA_KERNEL=llama.cpp (read per call); each matches its own emulation
+    more closely than the other's."""
+    toks = _tokens(tiny, 120)
+    split = [100, 20]
+    ours = tm.reference_forward(tiny, toks, fa_f16=True, fa_split=split).logits[100:]
+    theirs = tm.reference_forward(tiny, toks, fa_f16=True, fa_split=split, fa_kernels="llama.cpp").logits[100:]
+    got = tm.llama_cpp_logits(tiny.path, toks, flash_attn=True, all_logits=True, split=split)[100:]
+    assert _rel(got, ours) < 1e-4 and _rel(got, ours) < _rel(got, theirs)
+    monkeypatch.setenv("PAGE_LOCAL_FA_KERNEL", "llama.cpp")
+    got = tm.llama_cpp_logits(tiny.path, toks, flash_attn=True, all_logits=True, split=split)[100:]
+    assert _rel(got, theirs) < 1e-3 and _rel(got, theirs) < _rel(got, ours)
 
 
 @needs_lib

@@ -477,6 +477,7 @@ def reference_forward(
     fa_split=None,
     fa_n_threads: int = 2,
     fa_kv_size: int = 1024,
+    fa_kernels: str = "page-local",
 ) -> Reference:
     """float64 forward pass of the whole sequence at positions 0..n-1 (causal; windowed on SWA layers).
 
@@ -488,10 +489,15 @@ def reference_forward(
     call with every token):
       * a ubatch of >= 64 queries uses the tiled kernel: Q stays f32, K and V are rounded to f16,
         softmax and accumulation in f32;
-      * a smaller ubatch uses the one-row kernel: Q is rounded to f16 as well and V is accumulated
-        in an f16 buffer, key by key (emulated step by step); a single-query ubatch whose KV view
-        (used cells padded to 256, capped at fa_kv_size = the context's n_ctx) has >= 512 cells
-        splits the keys into fa_n_threads chunks (n_threads of the context) reduced in f32.
+      * a smaller ubatch, with fa_kernels="page-local" (the library's default): page-local's decode kernel
+        (one query) and row kernel (2..63 queries, csrc/kernels/page-fa-decode.cpp) compute as the tiled
+        kernel does: Q f32, K and V f16, scores, softmax and accumulation in f32 (blocks of 32 cells, an
+        online softmax: f32 rounding apart, the same numbers);
+      * a smaller ubatch, with fa_kernels="llama.cpp" ($PAGE_LOCAL_FA_KERNEL=llama.cpp): llama.cpp's one-row
+        kernel: Q is rounded to f16 as well and V is accumulated in an f16 buffer, key by key (emulated
+        step by step); a single-query ubatch whose KV view (used cells padded to 256, capped at
+        fa_kv_size = the context's n_ctx) has >= 512 cells splits the keys into fa_n_threads chunks
+        (n_threads of the context) reduced in f32.
     The emulation assumes KV cell index == position (one sequence, fresh cache, no eviction).
     The returned `attn` probabilities are always computed from the unrounded q and k.
     """
@@ -501,6 +507,8 @@ def reference_forward(
         raise ValueError("empty token list")
     if tokens.min() < 0 or tokens.max() >= w.n_vocab:
         raise ValueError("token id out of range")
+    if fa_kernels not in ("page-local", "llama.cpp"):
+        raise ValueError(f"fa_kernels must be 'page-local' or 'llama.cpp', got {fa_kernels!r}")
     parts = [n] if fa_split is None else [int(x) for x in fa_split]
     if sum(parts) != n or min(parts) < 1:
         raise ValueError("fa_split must be positive sizes summing to len(tokens)")
@@ -562,7 +570,7 @@ def reference_forward(
             a0 = 0
             for m in parts:
                 a1 = a0 + m
-                if m >= FA_TILE_Q:
+                if m >= FA_TILE_Q or fa_kernels == "page-local":
                     lg = np.einsum("ihd,phd->hip", qs[a0:a1], k16) * kq_scale + neg[None, a0:a1]
                     out[a0:a1] = np.einsum("hip,phd->ihd", _softmax(lg), v16)
                 else:
