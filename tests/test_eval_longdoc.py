@@ -57,17 +57,20 @@ def test_wilson_and_the_report():
     assert (round(lo, 2), round(hi, 2)) == (0.40, 0.89)  # docs/results.md's 0.70 [0.40, 0.89]
     assert wilson(0, 0) == (0.0, 1.0) and wilson(0, 5)[0] == 0.0
     base = dict(model="m", n_ctx=256, length=2.0, doc=0)
-    rows = [dict(base, policy="full", question=q, correct=c, ttft_s=2.0, decode_tok_s=10.0, cost_s=1.0)
-            for q, c in enumerate([True, True, False])]
-    rows += [dict(base, policy="room", question=q, correct=c, ttft_s=4.0, decode_tok_s=20.0, cost_s=3.0)
-             for q, c in enumerate([True, False, True])]
+    depths = [0.1, 0.3, 0.9]
+    rows = [dict(base, policy="full", question=q, correct=c, ttft_s=2.0, decode_tok_s=10.0, cost_s=1.0,
+                 depth=depths[q], fact_held=1.0) for q, c in enumerate([True, True, False])]
+    rows += [dict(base, policy="room", question=q, correct=c, ttft_s=4.0, decode_tok_s=20.0, cost_s=3.0,
+                  depth=depths[q], fact_held=h) for q, (c, h) in enumerate([(True, 1.0), (False, 0.5), (True, 1.0)])]
     rows += [dict(base, policy="server", question=q, correct=False, ttft_s=None, decode_tok_s=None, cost_s=0.0)
              for q in range(3)]
     s = {x["policy"]: x for x in summarize(rows)}
     assert (s["room"]["correct"], s["room"]["wins"], s["room"]["losses"], s["room"]["cost_s"]) == (2, 1, 1, 3.0)
     assert s["server"]["accuracy"] == 0 and s["server"]["cost_s"] is None
     md = markdown(list(s.values()))
-    assert "| 256 | 2× | room, ranked by the question, pooled cells | 2/3 |" in md and "1 / 1" in md
+    assert "| 256 | 2× | room, ranked by the question, pooled cells | 2/3 |" in md and "| 1 / 1 | 2/3 |" in md
+    assert (s["room"]["whole"], s["room"]["recorded"], s["room"]["quarters"]) == (2, 3, [[1, 1], [0, 1], [0, 0], [1, 1]])
+    assert "| 256 | 2× | room, ranked by the question, pooled cells | 1/1 · 0/1 · 0/0 · 1/1 |" in md
 
 
 # --- SmolLM2 --------------------------------------------------------------------------------------------------

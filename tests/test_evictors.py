@@ -286,9 +286,29 @@ def test_spans_that_do_not_fit_leave_the_budget_to_the_best_cells():
     assert keep.tolist() == list(range(14))  # both whole, then 13 (0.05) and 12 (ties with 14: the lower)
 
 
+def test_a_sentence_keeps_the_best_score_an_earlier_cut_gave_it():
+    """Room-making's earlier cuts of one message (EvictionInput.prior): a sentence the question ranked first when it
+    was the newest part, and ranks below a newer sentence now that the question moved away from it, keeps its
+    place under prior "max" (the default) and loses it under prior "none"."""
+    spans = [0] * 4 + [1] * 4 + [2] * 4
+    mean = np.array([0.01] * 4 + [0.02] * 4 + [0.03] * 4)  # now: sentence 2 first, sentence 0 last
+    prior = np.array([0.05] * 4 + [0.0] * 8)  # sentence 0 was first at an earlier cut; 1 and 2 were not there
+    held = np.arange(12, dtype=np.int32)
+    inp = EvictionInput(held=held, budget=4, window=held[:0], n_sink=0, probe=make_probe(held, mean[None, :]),
+                        spans=np.asarray(spans), prior=prior)
+    assert get_evictor("snapkv-spans").select(inp).tolist() == [0, 1, 2, 3]
+    assert get_evictor("snapkv-spans", prior="none").select(inp).tolist() == [8, 9, 10, 11]
+    assert get_evictor("snapkv-spans").select(spans_input(mean, spans, 4)).tolist() == [8, 9, 10, 11]  # no prior
+    np.testing.assert_allclose(get_evictor("snapkv-spans").score(inp), np.maximum(mean, prior))
+
+
 def test_snapkv_spans_options_and_its_signal():
     with pytest.raises(ValueError, match="agg must be one of sum, max, mean; got 'median'"):
         get_evictor("snapkv-spans", agg="median")
+    with pytest.raises(ValueError, match="prior must be one of max, none; got 'min'"):
+        get_evictor("snapkv-spans", prior="min")
+    with pytest.raises(ValueError, match="prior must be scores aligned with held"):
+        make_input(20, 10, prior=np.zeros(19))
     with pytest.raises(ValueError, match="spans must be integers aligned with held"):
         make_input(20, 10, spans=np.zeros(19, dtype=np.int64))
 

@@ -1,7 +1,7 @@
 """Room that keeps spans (issue 43, items 2 and 3): a document four times the context is read in parts, and the
 cells each eviction keeps are whole sentences (snapkv-spans) instead of cells pooled over 15 neighbours; a
-share of them can be ranked by a generic query for a later question. Real SmolLM2, the documents of eval
-longdoc, 1 thread (a shared CPU)."""
+share of them can be ranked by a generic query for a later question; each cell keeps the best score an earlier
+cut of the message gave it. Real SmolLM2, the documents of eval longdoc, 1 thread (a shared CPU)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,31 @@ def test_the_fact_survives_four_contexts_of_reading_whole_or_not_at_all(run, pol
     else:
         assert held.all(), held
         assert "4050" in o["answer"], o["answer"]
+
+
+@pytest.mark.parametrize("policy", ["room-spans", "room-best"], ids=["ranked-now-loses-it", "best-of-each-cut-keeps-it"])
+def test_an_early_fact_keeps_the_rank_its_first_cut_gave_it(run, policy):
+    """Document 4 of eval longdoc at 4x n_ctx 512, its first fact (depth 0.12: "The alarm code for the rich dancer
+    warehouse is 8693."), read in 8 parts. Ranked by the question's score now (room-spans), the sentence falls from
+    3rd at its first cuts to 15th at the last, and the last cut drops it: the cache holds none of it and the answer
+    is another code. With the best score an earlier cut gave each cell (room-best, room's default), it stays 3rd:
+    every cell of it is held and the answer is 8693."""
+    cell = run.cells[0]
+    eng = run.engine(policy, cell)
+    doc = run.document(cell, 4)
+    prompts = [run.prompter.tokens(doc.message(q)) for q in range(ld.FACTS)]
+    f = doc.facts[0]
+    assert f.code == "8693" and f.depth < 0.15
+    r = ld.reading(policy, prompts, cell.n_ctx, run.max_tokens, eng.n_keep)
+    snap, _ = ld.read_shared(eng, r)
+    o = ld.ask(eng, snap, r.suffix[0], run.max_tokens)
+    assert o["chunks"] >= 8
+    if policy == "room-spans":
+        assert ld.fact_held(eng, f) == 0.0
+        assert "8693" not in o["answer"], o["answer"]
+    else:
+        assert ld.fact_held(eng, f) == 1.0
+        assert "8693" in o["answer"], o["answer"]
 
 
 def test_a_generic_share_keeps_the_same_number_of_cells_and_leaves_no_probe_behind(run):

@@ -27,7 +27,10 @@ It protects structure instead, as the measured failure of global caps asks (arXi
 sinks, the system prompt (Engine.n_keep), every control token (the chat template's turn
 boundaries) and the latest RECENT of n_ctx; the rest is kept a sentence at a time: SnapKV's score summed
 over each sentence, whole sentences best first (ROOM_EVICTOR, evictors/spans.py; the sentences are cut from
-the conversation's token text, RoomMaker.spans). set_room_evictor takes another that reads only the probe
+the conversation's token text, RoomMaker.spans). A message read in parts is cut several times, each cut ranked
+by the same question decoded after the newest part: each cell's score is the best any cut of the message gave it
+(the room record's "best", EvictionInput.prior), so that a sentence the question ranked high when it was read
+does not sink below newer ones as the question moves away from it. set_room_evictor takes another that reads only the probe
 (and the spans): ("snapkv", pool "avg", kernel 15), cells pooled over 15 neighbours, was the default until
 issue 43 and lost a fact's last digits at 4x n_ctx (docs/design.md §5.1).
 
@@ -82,8 +85,10 @@ GENERIC_QUERY = "\n\nRepeat the previous context exactly."
 # (raw ranks 109-382 of ~395 candidates, 168 kept, at 4x n_ctx 512), and SnapKV's pooling over 15 centred
 # neighbours (the default before issue 43, ROOM_POOLED) lifts them by their distance from the key, least for
 # the last digit, which each of the 8-10 evictions of a 4x document erodes further ("405" for 4050). Kept a
-# sentence at a time: 16 of 24 questions at 4x n_ctx 512 against 6 pooled (docs/design.md §5.1).
-ROOM_EVICTOR = ("snapkv-spans", {})
+# sentence at a time: 16 of 24 questions at 4x n_ctx 512 against 6 pooled (docs/design.md §5.1). With each cell's
+# best score of the message's cuts (prior "max", the evictor's default): an early fact's sentence no longer
+# sinks from 2nd-5th at its first cut to 15th at the last (docs/design.md §5.1, eval longdoc's room-best).
+ROOM_EVICTOR = ("snapkv-spans", {"prior": "max"})
 ROOM_POOLED = ("snapkv", {"pool": "avg", "kernel": 15})  # the default before issue 43, kept to compare
 ROOM_PROVIDES = frozenset({"probe", "spans"})  # what room-making gives its evictor (spans: sentence_spans)
 MIN_ANSWER = 64  # a message is read whole (never evicted) when it fits with this many answer cells to spare
@@ -319,13 +324,20 @@ class RoomMaker:
                 # the evictor ranks the unprotected cells only: the protected ones cost it nothing
                 spans = self.spans(conv, cand) if "spans" in ev.needs else None
                 n_gen = int(n_rank * self.generic_share) if question and self.ranking == "question+generic" else 0
-                keep = select_kept(ev, cand, n_rank - n_gen, probe, spans, rules.seed)
+                # the best score each cell had at an earlier cut of this message, by the same question
+                best = room["best"] if question and hasattr(ev, "prior") else None
+                idx = conv.indices_of(cand) if best is not None else None
+                prior = None if best is None else np.fromiter((best.get(int(i), 0.0) for i in idx), np.float64,
+                                                              count=idx.size)
+                keep, inp = select_kept(ev, cand, n_rank - n_gen, probe, spans, rules.seed, prior)
+                if best is not None and inp is not None:
+                    best.update(zip(idx.tolist(), ev.score(inp).tolist()))  # the larger of the two (prior "max")
                 if n_gen:  # the generic query's share, from what the question's did not keep
                     generic = self.model.tokenize(GENERIC_QUERY, add_special=False)[-W:]
                     gprobe = self._ranking_probe(held, tokens, None, generic, room)
                     rest = ~np.isin(cand, keep)
                     keep = np.union1d(keep, select_kept(ev, cand[rest], n_gen, gprobe,
-                                                        None if spans is None else spans[rest], rules.seed))
+                                                        None if spans is None else spans[rest], rules.seed)[0])
                 drop = np.setdiff1d(cand, keep, assume_unique=True)
             else:
                 drop = cand
@@ -410,14 +422,16 @@ class RoomMaker:
         conv.pos = renumber(np.asarray(conv.pos, dtype=np.int64), held).tolist()
 
 
-def select_kept(ev, cand: np.ndarray, n: int, probe, spans: np.ndarray | None, seed: int) -> np.ndarray:
-    """i32 (min(n, len(cand)),): the cells of cand (ascending positions) that evictor ev keeps, n of them,
-    ranked by probe; spans: i64 (len(cand),) for an evictor that needs them."""
+def select_kept(ev, cand: np.ndarray, n: int, probe, spans: np.ndarray | None, seed: int,
+                prior: np.ndarray | None = None) -> tuple[np.ndarray, EvictionInput | None]:
+    """(i32 (min(n, len(cand)),): the cells of cand (ascending positions) that evictor ev keeps, n of them,
+    ranked by probe; the evictor's input, None when n <= 0). spans: i64 (len(cand),) for an evictor that needs
+    them; prior: f64 (len(cand),), each cell's best earlier score (EvictionInput.prior)."""
     if n <= 0:
-        return np.zeros(0, np.int32)
+        return np.zeros(0, np.int32), None
     inp = EvictionInput(held=cand, budget=n, window=np.zeros(0, np.int32), n_sink=0, probe=probe, spans=spans,
-                        seed=seed)
-    return ev.select(inp)
+                        prior=prior, seed=seed)
+    return ev.select(inp), inp
 
 
 def tell_room(dec: Decision, room: dict, add: bool = False) -> None:
@@ -438,4 +452,5 @@ def tell_room(dec: Decision, room: dict, add: bool = False) -> None:
 def _room() -> dict:
     """What one room-making did: cells evicted, parts, positions closed, the range evicted, how the cells
     were ranked and what the question's probe decodes cost."""
-    return {"evicted": 0, "chunks": 1, "closed": 0, "from": None, "ranking": None, "probes": 0, "probe_ms": 0.0}
+    return {"evicted": 0, "chunks": 1, "closed": 0, "from": None, "ranking": None, "probes": 0, "probe_ms": 0.0,
+            "best": {}}  # best: history index -> the best score the message's question gave it at a cut

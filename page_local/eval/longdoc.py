@@ -24,6 +24,9 @@ Policies (POLICIES), greedy answers of at most max_tokens, on the same documents
                when this evaluation began; the rows keep that meaning whatever the default becomes).
 * room-spans   the same reading, ranked by the question, with cells kept a sentence at a time (snapkv-spans,
                evictors/spans.py: a sentence's score is the sum of its cells'; room's default since issue 43).
+* room-best    room-spans, each cell ranked by the larger of its score now and the best one an earlier cut of the
+               message gave it (snapkv-spans prior "max": room's default since; room-spans is pinned to prior
+               "none", the ranking its rows were made with, as room-reread and room-both are).
 * room-reread  room-spans, and a message after the cut reads the conversation again from the first token room
                made it delete (Engine reread): the same as room-spans on a first question; a second question
                ranks the document again by itself, at the cost of that reading.
@@ -82,13 +85,16 @@ from page_local.eval.rows import read_rows
 from page_local.tasks import synthetic
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
-POLICIES = ("full", "room", "room-spans", "room-reread", "room-both", "room-recent", "shift", "truncate", "server")
+POLICIES = ("full", "room", "room-spans", "room-best", "room-reread", "room-both", "room-recent", "shift", "truncate",
+            "server")
 # the policies that run (server: a 400, no run)
-RUN = ("full", "room", "room-spans", "room-reread", "room-both", "room-recent", "shift", "truncate")
-ROOM = ("room", "room-spans", "room-reread", "room-both", "room-recent")  # the policies that make room at the wall
+RUN = ("full", "room", "room-spans", "room-best", "room-reread", "room-both", "room-recent", "shift", "truncate")
+# the policies that make room at the wall
+ROOM = ("room", "room-spans", "room-best", "room-reread", "room-both", "room-recent")
 # each room policy's evictor: "room" and "room-recent" are pinned to the pooled ranking their rows were made with
-ROOM_EVICTORS = {"room": ROOM_POOLED, "room-recent": ROOM_POOLED, "room-spans": ("snapkv-spans", {}),
-                 "room-reread": ("snapkv-spans", {}), "room-both": ("snapkv-spans", {})}
+ROOM_EVICTORS = {"room": ROOM_POOLED, "room-recent": ROOM_POOLED, "room-spans": ("snapkv-spans", {"prior": "none"}),
+                 "room-best": ("snapkv-spans", {"prior": "max"}), "room-reread": ("snapkv-spans", {"prior": "none"}),
+                 "room-both": ("snapkv-spans", {"prior": "none"})}
 ROOM_RANKING = {"room-recent": "recent", "room-both": "question+generic"}  # else "question"
 N_CTXS = (512, 1024)
 LENGTHS = (2, 4)

@@ -7,6 +7,8 @@ cache (this policy right and the full cache wrong / the full cache right and thi
 time to first token (a question alone: the shared reading and its own), decode tok/s, and the cost of a
 question (the shared reading divided among the document's questions, plus the question's own time). Rows of
 the second-question mode (turns=2) are summarized apart, with the second question's accuracy and its pairs.
+Beside accuracy: how often the asked fact's sentence was held whole (fact_held 1: what the policy kept, apart
+from whether the model answered with it), and the right answers by the fact's quarter of the document's depth.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from page_local.eval.longdoc import POLICIES
 from page_local.eval.report import _table
 
 LABEL = {"full": "full cache", "room": "room, ranked by the question, pooled cells",
-         "room-spans": "room, ranked by the question, whole sentences (default)",
+         "room-spans": "room, ranked by the question, whole sentences",
+         "room-best": "room, ranked by the question, whole sentences, best score of each cut (default)",
          "room-reread": "room, whole sentences, read again for the next message",
          "room-both": "room, ranked by the question and a generic query, whole sentences",
          "room-recent": "room, ranked by the newest queries", "shift": "context shift (llama.cpp)",
          "truncate": "truncation (Ollama)", "server": "llama-server (400 over the context)"}
 Z95 = 1.959964
+QUARTERS = 4  # the per-depth table: the document's depth in quarters (eval longdoc places one fact in each)
 
 
 def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -69,7 +73,15 @@ def summarize(rows: list[dict]) -> list[dict]:
                           second_ttft_s=_median(r.get("second_ttft_s") for r in qs.values()),
                           second_whole=sum(r["second_fact_held"] == 1 for r in qs.values() if "second_fact_held" in r),
                           second_recorded=sum("second_fact_held" in r for r in qs.values()))
+        quarters = [[0, 0] for _ in range(QUARTERS)]  # [right, asked] by the fact's quarter of the depth
+        for r in qs.values():
+            if r.get("depth") is not None:
+                qq = quarters[min(QUARTERS - 1, max(0, int(r["depth"] * QUARTERS)))]
+                qq[0] += bool(r["correct"])
+                qq[1] += 1
         out.append(dict(model=model, turns=turns, n_ctx=n_ctx, length=length, policy=policy, n=n, correct=k,
+                        whole=sum(r["fact_held"] == 1 for r in qs.values() if "fact_held" in r),
+                        recorded=sum("fact_held" in r for r in qs.values()), quarters=quarters,
                         accuracy=k / n if n else None, ci=(lo, hi), paired=len(both),
                         wins=sum(bool(qs[q]["correct"]) and not full[q]["correct"] for q in both),
                         losses=sum(bool(full[q]["correct"]) and not qs[q]["correct"] for q in both),
@@ -94,6 +106,8 @@ def markdown(summary: list[dict]) -> str:
         for turns in sorted({s.get("turns", 1) for s in summary if s["model"] == m}):
             part = [s for s in summary if s["model"] == m and s.get("turns", 1) == turns]
             lines += _turns_table(part, turns)
+            if turns == 1:
+                lines += _quarters_table(part)
     lines.append("llama-server's row is 0 by definition: a prompt over the context is refused (400); nothing runs.")
     return "\n".join(lines) + "\n"
 
@@ -102,12 +116,25 @@ def _acc(k: int, n: int, ci) -> str:
     return f"{k / n:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if n else "–"
 
 
+def _quarters_table(summary: list[dict]) -> list[str]:
+    """Right answers by the fact's quarter of the document (first · second · third · last), per policy."""
+    rows = [(s["n_ctx"], f"{s['length']:g}×", LABEL.get(s["policy"], s["policy"]),
+             " · ".join(f"{k}/{n}" for k, n in s["quarters"])) for s in summary
+            if s["policy"] != "server" and any(n for _, n in s.get("quarters", ()))]
+    if not rows:
+        return []
+    return ["Right answers by the fact's quarter of the document's depth:", "",
+            _table(("n_ctx", "length", "policy", "first · second · third · last quarter"), rows), ""]
+
+
 def _turns_table(summary: list[dict], turns: int) -> list[str]:
     rows = []
     for s in summary:
         pair = "–" if s["policy"] == "full" or not s["paired"] else f"{s['wins']} / {s['losses']}"
         row = (s["n_ctx"], f"{s['length']:g}×", LABEL.get(s["policy"], s["policy"]), f"{s['correct']}/{s['n']}",
                _acc(s["correct"], s["n"], s["ci"]), pair)
+        if turns == 1:
+            row += (f"{s['whole']}/{s['recorded']}" if s.get("recorded") else "–",)
         if turns == 2:
             pair2 = ("–" if s["policy"] == "full" or not s["paired"] else
                      f"{s['second_wins']} / {s['second_losses']}")
@@ -117,6 +144,8 @@ def _turns_table(summary: list[dict], turns: int) -> list[str]:
         rows.append(row + (_f(s["ttft_s"]), _f(s["tok_s"]), _f(s["cost_s"])))
     head = ("n_ctx", "length", "policy", "right", "accuracy (95 % Wilson)",
             "vs full: it right & full wrong / full right & it wrong")
+    if turns == 1:
+        head += ("fact held whole",)
     if turns == 2:
         head = head[:3] + ("first right", "first accuracy (95 % Wilson)", "first vs full", "second right",
                            "second accuracy (95 % Wilson)", "second vs full", "second's fact held whole",

@@ -40,6 +40,9 @@ class EvictionInput:
     lookahead: object | None = None  # page_local.lookahead.Lookahead (LORE-KV): costs over its own positions
     answer_lookahead: object | None = None  # the same, scored by the full cache's answer (lorekv-answer)
     spans: np.ndarray | None = None  # i64 (T,) the span (sentence) each held position belongs to (snapkv-spans)
+    # f64 (T,): the best score each held cell had when the same queries ranked it before (room-making's earlier
+    # cuts of one message; 0 where it was not ranked yet); an evictor that takes it says so (snapkv-spans)
+    prior: np.ndarray | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -60,6 +63,11 @@ class EvictionInput:
                 raise ValueError(f"spans must be integers aligned with held {held.shape}, got {spans.dtype} "
                                  f"{spans.shape}")
             object.__setattr__(self, "spans", spans.astype(np.int64, copy=False))
+        if self.prior is not None:
+            prior = np.asarray(self.prior, dtype=np.float64)
+            if prior.shape != held.shape or np.isnan(prior).any():
+                raise ValueError(f"prior must be scores aligned with held {held.shape}, got {prior.shape}")
+            object.__setattr__(self, "prior", prior)
         if isinstance(self.budget, bool) or not isinstance(self.budget, numbers.Integral) \
                 or self.budget < 1:
             raise ValueError(f"budget must be an int >= 1 (use resolve_budget for ratios), got {self.budget!r}")
