@@ -95,6 +95,15 @@ def make_ctx():
         c.close()
 
 
+def on_gpu() -> bool:
+    """Whether the models the tests open put layers on a GPU (a CUDA build with a device, and
+    $PAGE_LOCAL_N_GPU_LAYERS not 0: scripts/check-gpu.sh). There the arithmetic is the GPU's (cuBLAS, other
+    kernels): tests that hold the CPU build to bit-identity or to 1e-4 take the bound measured on a GPU."""
+    from page_local.native.runtime import default_n_gpu_layers, supports_gpu_offload
+
+    return supports_gpu_offload() and default_n_gpu_layers() != 0
+
+
 def random_tokens(n: int, seed: int = 0, lo: int = 100, hi: int = 4000) -> list[int]:
     return np.random.default_rng(seed).integers(lo, hi, size=n).tolist()
 

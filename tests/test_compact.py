@@ -22,7 +22,7 @@ import tiny_model as tm  # noqa: E402
 from page_local.native import pageops as native  # noqa: E402
 from page_local.native.pageops import UnsupportedModel  # noqa: E402
 from tests.capture import tensor_capture  # noqa: E402
-from tests.conftest import random_tokens  # noqa: E402
+from tests.conftest import on_gpu, random_tokens  # noqa: E402
 
 N_CTX, PROMPT, EXTRA = 1024, 600, 24
 
@@ -71,10 +71,11 @@ def assert_same_outputs(after, before, flash_attn, type_kv):
     """Logits of the same cache contents in another cell layout. Where cells sit changes the order
     of the sums over the cache. FA off with an f16 cache this has been bit-identical (test_native
     relies on it too); the f32 kernels round differently (~1e-6). FA on, the CPU kernel accumulates
-    V in f16: the distribution stays close (~5e-3 here at worst) with the same argmax."""
-    if flash_attn == "off" and type_kv == "f16":
+    V in f16: the distribution stays close (~5e-3 here at worst) with the same argmax. On a GPU, flash attention
+    off too (cuBLAS sums in another order per layout: logits 0.4 apart on an H200, the same check as on)."""
+    if flash_attn == "off" and type_kv == "f16" and not on_gpu():
         np.testing.assert_array_equal(after, before)
-    elif flash_attn == "off":
+    elif flash_attn == "off" and not on_gpu():
         assert np.max(np.abs(after - before)) <= 1e-5 * np.max(np.abs(before))
     else:
         p, q = (np.exp(x - x.max()) / np.exp(x - x.max()).sum() for x in (before, after))

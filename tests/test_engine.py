@@ -94,7 +94,9 @@ def stock(smollm2_path, closed_engine):
     # stock runs the path it chose (flash attention on and off round differently, so greedy tokens can differ
     # between the paths). Both use an f16 KV cache and n_batch = n_ubatch = 512.
     assert closed_engine.attention.cache_type == "f16"
-    llm = llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=256, n_batch=512, n_ubatch=512, n_threads=THREADS,
+    # on the same device as the engine (a GPU build offloads every layer: scripts/check-gpu.sh)
+    llm = llama_cpp.Llama(model_path=str(smollm2_path), n_gpu_layers=closed_engine.placement["gpu_layers"],
+                          n_ctx=256, n_batch=512, n_ubatch=512, n_threads=THREADS,
                           n_threads_batch=THREADS, flash_attn=closed_engine.attention.flash_attn == "on", type_k=1,
                           type_v=1, seed=0, verbose=False)
     yield llm

@@ -4,7 +4,8 @@ The models are written by tests/tiny_model.py (random weights, GQA, f32 everythi
 cache). The probe computes softmax(q k^T * scale + mask) in f32 from the f32 cache, so it must match
 the float64 reference to 1e-4 relative, with flash attention off and on. With flash attention on,
 llama.cpp's main attention path rounds K/V to f16, which changes the hidden states the later layers
-see; the reference emulates that rounding (fa_f16=True) so that the comparison stays exact.
+see; the reference emulates that rounding (fa_f16=True) so that the comparison stays exact. On a GPU
+(scripts/check-gpu.sh) the forward pass is cuBLAS's and the CUDA kernels': the bounds there are measured (1e-2).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_model as tm  # noqa: E402
 
 from page_local.native.runtime import Context, ContextConfig, Model  # noqa: E402
+from tests.conftest import on_gpu  # noqa: E402
 
 PREFIX, W = 300, 32
 THREADS = 2
@@ -59,6 +61,8 @@ def test_probe_equals_float64_reference(tiny, flash_attn, rides):
     # the reference emulates only up to rounding-boundary cases (~3e-4 on the logits); that error is
     # in the forward pass the probe reads, not in the probe, so the bound there is 2e-3.
     tol = 1e-4 if tiny.arch == "llama" else 2e-3
+    if on_gpu():  # the forward pass on a GPU (cuBLAS): 2.6e-3 (llama) and 4.9e-3 (gemma3) on an H200
+        tol = 1e-2
     big = want > 1e-6
     rel = np.abs(r.rows.astype(np.float64) - want)[big] / want[big]
     assert rel.max() <= tol, f"max relative error {rel.max():.2e}"
@@ -104,4 +108,5 @@ def test_key_norms_equal_reference(tiny, type_kv):
         got = ctx.page.key_norms(0, tiny.n_layer, tiny.n_head_kv)
         held = ctx.page.positions(0)
     assert got.shape == (tiny.n_layer, tiny.n_head_kv, 197)
-    np.testing.assert_allclose(got, want[:, :, held], rtol=1e-4 if type_kv == "f32" else 2e-3)
+    # on a GPU the keys come from cuBLAS's projections: 4.5e-4 (f32) on an H200
+    np.testing.assert_allclose(got, want[:, :, held], rtol=(1e-3 if on_gpu() else 1e-4) if type_kv == "f32" else 2e-3)
