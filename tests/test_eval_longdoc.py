@@ -94,6 +94,7 @@ def test_rows_are_written_per_question_and_a_rerun_skips_them(smollm2_path, tmp_
         assert r["expected"].isdigit() and len(r["expected"]) == 4 and 0 < r["depth"] < 1
         assert r["ttft_s"] >= r["shared_s"] > 0 and r["own_s"] > 0 and r["read_tokens"] <= 256 - 16 - 1
         assert r["correct"] == (r["expected"] in r["answer"])
+        assert r["machine"] and len(r["library"]) == 16  # where the row was made
     with make_run(smollm2_path, out, ["truncate", "server"]) as run:  # everything there: nothing runs
         assert run.units() == [] and run.plan()["runs_left"] == 0
         assert run.run()["rows_written"] == 0 and not run._engines

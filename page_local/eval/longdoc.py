@@ -56,7 +56,8 @@ rows carry turns=2 and second, second_expected, second_answer, second_correct, s
 second_fact_held (and second_reread, the tokens read again, under room-reread); write them to their own file.
 
 Rows (JSONL, one per (document, question, policy), written as each finishes; a rerun with the same out
-skips the rows there): KEY_FIELDS, depth, expected, answer, correct, ttft_s (the shared reading's time
+skips the rows there): KEY_FIELDS, machine and library (the CPU and the build that made the row: rows of
+different ones differ by rounding, not only by policy), depth, expected, answer, correct, ttft_s (the shared reading's time
 plus the question's own time to its first answer token: what one question alone waits), decode_tok_s,
 shared_s (the reading, once per document), own_s (the question: restore, suffix, answer) and cost_s =
 shared_s / questions of the document + own_s, the cost of a question; fact_held, the share of the asked fact's
@@ -358,7 +359,9 @@ class LongDocRun:
     def __init__(self, model_path, out, docs: int = 25, questions: int = FACTS, n_ctxs: Sequence[int] = N_CTXS,
                  lengths: Sequence[float] = LENGTHS, policies: Sequence[str] = POLICIES, max_tokens: int = 32,
                  seed: int = 42, threads: int = 2, engine_options: dict | None = None, second: bool = False):
+        from page_local.native.pageops import library_dir
         from page_local.store.gguf import gguf_metadata, model_identity
+        from page_local.store.tuning import library_signature, machine_signature
 
         bad = [p for p in policies if p not in POLICIES]
         if bad or not policies:
@@ -374,8 +377,11 @@ class LongDocRun:
         self.cells = [Cell(n, float(L)) for n in n_ctxs for L in lengths]
         self.policies = [p for p in POLICIES if p in policies]
         self.engine_options = dict(engine_options or {})
+        # machine and library: where a row was made (greedy answers move with a CPU family's rounding and with
+        # a rebuilt kernel; rows made on different ones are not paired evidence of a policy's effect)
         self.base = dict(model=model_identity(model_path), model_name=gguf_metadata(model_path).get("general.name"),
-                         max_tokens=max_tokens, seed=seed)
+                         max_tokens=max_tokens, seed=seed, machine=machine_signature(),
+                         library=library_signature(library_dir()))
         self.second = bool(second)
         if self.second:  # a key field only here: the rows of the one-question mode keep their keys
             self.base["turns"] = 2
