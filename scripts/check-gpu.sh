@@ -2,7 +2,7 @@
 # Build page-local's CUDA variant and check it with every layer on the GPU.
 #
 #   scripts/check-gpu.sh            # from anywhere; needs nvcc, an NVIDIA GPU and the checkout's .venv
-#   PAGE_LOCAL_PYTHON=/usr/bin/python3 scripts/check-gpu.sh --bundle gpu-bundle [--build-only|--skip-build]
+#   PAGE_LOCAL_PYTHON=python3 scripts/check-gpu.sh --bundle gpu-bundle [--build-only|--skip-build]
 #
 # Through a tool that copies the working tree plus a few ignored paths (64 MiB a call in all) to a GPU machine
 # without network or .venv and runs one command there (at most 600 s): scripts/gpu-bundle.sh makes gpu-bundle/
@@ -71,7 +71,7 @@ if [ -n "$BUNDLE" ] || [ -n "${PAGE_LOCAL_PYTHON:-}" ]; then
     "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "$PY is older than Python 3.10"
     PL=("$PY" -m page_local.cli)
     if [ "$MODE" != checks ]; then
-        for t in cmake ninja; do command -v "$t" >/dev/null 2>&1 || die "$t is not on PATH (without a .venv it must be installed)"; done
+        for t in cmake ninja patch; do command -v "$t" >/dev/null 2>&1 || die "$t is not on PATH (without a .venv it must be installed; CMakeLists.txt applies csrc/patches/ with GNU patch)"; done
     fi
     if [ -n "$BUNDLE" ]; then
         case "$BUNDLE" in /*) ;; *) BUNDLE="$ROOT/$BUNDLE" ;; esac
@@ -80,14 +80,6 @@ if [ -n "$BUNDLE" ] || [ -n "${PAGE_LOCAL_PYTHON:-}" ]; then
     fi
     STAGE="$ROOT/$BUILD_DIR/bundle"
     export PYTHONPATH="$STAGE/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-    if [ "$MODE" != checks ] && ! command -v patch >/dev/null 2>&1; then
-        # CMakeLists.txt applies csrc/patches/ with GNU patch; without it, scripts/patch.py does the same
-        mkdir -p "$STAGE/bin"
-        printf '#!/bin/sh\nexec "%s" "%s" "$@"\n' "$PY" "$ROOT/scripts/patch.py" > "$STAGE/bin/patch"
-        chmod +x "$STAGE/bin/patch"
-        export PATH="$STAGE/bin:$PATH"
-        echo "check-gpu: no patch on PATH: scripts/patch.py applies csrc/patches/"
-    fi
 else
     [ -x "$VENV/bin/python" ] || die "no Python environment at $VENV: run \`make setup\` first (or see --bundle)"
     export PATH="$VENV/bin:$PATH"  # cmake, ninja and ccache come from the venv, as in the Makefile

@@ -325,7 +325,7 @@ class RoomMaker:
                 spans = self.spans(conv, cand) if "spans" in ev.needs else None
                 n_gen = int(n_rank * self.generic_share) if question and self.ranking == "question+generic" else 0
                 # the best score each cell had at an earlier cut of this message, by the same question
-                best = room["best"] if question and hasattr(ev, "prior") else None
+                best = room["best"] if question and getattr(ev, "prior", None) == "max" else None
                 idx = conv.indices_of(cand) if best is not None else None
                 prior = None if best is None else np.fromiter((best.get(int(i), 0.0) for i in idx), np.float64,
                                                               count=idx.size)
