@@ -87,7 +87,7 @@ GENERIC_QUERY = "\n\nRepeat the previous context exactly."
 # the last digit, which each of the 8-10 evictions of a 4x document erodes further ("405" for 4050). Kept a
 # sentence at a time: 16 of 24 questions at 4x n_ctx 512 against 6 pooled (docs/design.md §5.1). With each cell's
 # best score of the message's cuts (prior "max", the evictor's default): an early fact's sentence no longer
-# sinks from 2nd-5th at its first cut to 15th at the last (docs/design.md §5.1, eval longdoc's room-best).
+# sinks from 3rd-6th at its first cut to 16th at the last (docs/design.md §5.1, eval longdoc's room-best).
 ROOM_EVICTOR = ("snapkv-spans", {"prior": "max"})
 ROOM_POOLED = ("snapkv", {"pool": "avg", "kernel": 15})  # the default before issue 43, kept to compare
 ROOM_PROVIDES = frozenset({"probe", "spans"})  # what room-making gives its evictor (spans: sentence_spans)

@@ -18,8 +18,8 @@ by max and 18th by mean. Measured (eval longdoc, 24 questions each, SmolLM2): 16
 Remembered scores (prior "max", the default): a message longer than the context is read in parts with a cut
 between them, and each cut ranks every held cell again by the question's queries, decoded after the newest part.
 A fact's sentence read early ranks lower at each cut as the question moves away from it (at 4x n_ctx 512 the
-asked fact's sentence went from 2nd-5th at its first cut to 15th-16th at the seventh, and out: SmolLM2's
-attention falls with distance), so 35 of 100 facts were lost by the last cut. With EvictionInput.prior (the
+asked fact's sentence went from 3rd-6th at its first cut to 16th-17th at the seventh, and out, traced with
+scripts/trace_room.py: SmolLM2's attention falls with distance), so 35 of 100 facts were lost by the last cut. With EvictionInput.prior (the
 best score room-making saw for each cell at an earlier cut of the same message) a cell's score is the larger of
 the two: every cell is judged at least as it was when its part was the newest, at the same distance from the
 question as the last part's cells are at the last cut. prior "none" ranks by the current probe only (the
