@@ -33,7 +33,7 @@ CALL_MIB="${CALL_MIB:-36}"
 # the llama_cpp package (typing-extensions, diskcache) and of the tests check-gpu.sh runs (gguf: the
 # tiny models; it imports yaml; tqdm and requests only on paths the tests do not take). numpy, click,
 # rich, jinja2, matplotlib, pytest and hypothesis are there and are not bundled.
-WHEELS=(cffi pycparser platformdirs prompt_toolkit wcwidth gguf PyYAML tqdm diskcache typing_extensions)
+WHEELS=(cffi pycparser platformdirs prompt_toolkit wcwidth gguf PyYAML tqdm diskcache typing_extensions psutil)
 
 die() { echo "gpu-bundle: error: $*" >&2; exit 2; }
 trap 'echo "gpu-bundle: error: line $LINENO failed" >&2' ERR

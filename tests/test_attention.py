@@ -4,7 +4,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -168,11 +173,18 @@ def test_malformed_points_are_refused_by_name(home):
 
 # --- real runs on the embedded model -----------------------------------------------------------
 
-def test_tune_measures_stores_and_auto_uses_it(cli):
+@pytest.fixture
+def meter_off(monkeypatch):
+    """The suite's other worker shares this machine's cores: a test of storing and reusing a tuning does not
+    also test the busy check (test_a_tuning_measured_beside_busy_processes_is_not_kept does)."""
+    monkeypatch.setattr(attention, "BUSY_CORES", float("inf"))
+
+
+def test_tune_measures_stores_and_auto_uses_it(cli, meter_off):
     res = cli("tune", "--lengths", "48,96", "--n-ctx", "1024", "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert out["tuned"] and out["auto"]["source"] == "tuned"
+    assert out["tuned"] and out["auto"]["source"] == "tuned" and out["others_cores"] >= 0
     assert [p[0] for p in out["points"]["on"]] == [48, 96] == [p[0] for p in out["points"]["off"]]
     assert all(p[1] > 0 and p[2] > 0 for s in ("on", "off") for p in out["points"][s])
     shown = json.loads(cli("tune", "--show", "--n-ctx", "1024", "--json").stdout)
@@ -188,7 +200,7 @@ def test_tune_measures_stores_and_auto_uses_it(cli):
     assert untuned["attention"]["source"] == "default" and untuned["attention"]["flash_attn"] == "on"
 
 
-def test_first_use_tuning_is_measured_once_in_its_time_box_and_then_reused(cli, monkeypatch):
+def test_first_use_tuning_is_measured_once_in_its_time_box_and_then_reused(cli, monkeypatch, meter_off):
     # the suite runs with $PAGE_LOCAL_AUTOTUNE=off (conftest); a user's first run measures, in a box of 8 s here
     monkeypatch.setenv("PAGE_LOCAL_AUTOTUNE", "8")
     first = cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "1024", "--json")
@@ -365,3 +377,54 @@ def test_a_tuning_with_spreads_is_stored_and_read_back(home):
     pts = {"on": [(256, 3.1, 9.0, 0.9)], "off": [(256, 3.9, 9.6, 0.8)]}
     store.save_tuning(store.Tuning(key, pts, store.now(), 1.0))
     assert store.read_tuning(key).tuning.points == pts
+
+
+# --- a tuning beside busy processes (issue 42): the load, not the paths ------------------------------------
+# This Zen 4's first-use tuning, measured while the suite ran, chose flash attention off for n_ctx 8192 (17.6
+# against 25.0 ms, "beyond the 7 % spread"); five tunings of the quiet machine in a row all chose on. Alternated
+# repeats remove drift, not a load that slows one path more than the other.
+
+@contextlib.contextmanager
+def _spinners(n: int):
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_busy_is_the_cores_a_tuning_needs():
+    assert not attention.disturbed(0.2, threads=2, cores=2) and attention.disturbed(0.3, threads=2, cores=2)
+    assert not attention.disturbed(1.2, threads=1, cores=2) and attention.disturbed(1.3, threads=1, cores=2)
+    assert not attention.disturbed(12.0, threads=4, cores=16) and attention.disturbed(12.5, threads=4, cores=16)
+
+
+def test_the_host_meter_sees_another_process_and_not_its_own_work():
+    with _spinners(1), attention.HostMeter() as busy:
+        time.sleep(1.0)
+    assert busy.others_cores > 0.6, busy.others_cores
+    with attention.HostMeter() as own:
+        t_end = time.perf_counter() + 0.5
+        while time.perf_counter() < t_end:
+            pass
+    assert own.others_cores < busy.others_cores - 0.5, (own.others_cores, busy.others_cores)
+
+
+def test_a_tuning_measured_beside_busy_processes_is_not_kept(cli, monkeypatch):
+    monkeypatch.setenv("PAGE_LOCAL_AUTOTUNE", "8")
+    with _spinners(os.cpu_count() or 2):
+        ran = cli("run", "--prompt", "Say hi.", "--max-tokens", "2", "--n-ctx", "1024", "--json")
+        assert ran.exit_code == 0, ran.output
+        a = json.loads(ran.stdout)["attention"]
+        assert a["source"] == "default" and a["flash_attn"] == "on", a
+        assert "tuning was not kept: other processes used" in ran.stderr and "next start measures again" in ran.stderr
+        refused = cli("tune", "--lengths", "48,96", "--n-ctx", "1024")
+        one_line_error(refused, 1, "not stored: other processes used", "--busy-ok")
+        assert json.loads(cli("tune", "--show", "--json").stdout)["tuned"] is False
+        kept = json.loads(cli("tune", "--lengths", "48,96", "--n-ctx", "1024", "--busy-ok", "--json").stdout)
+    assert kept["tuned"] and kept["others_cores"] > 0.25
+    shown = cli("tune", "--show", "--n-ctx", "1024")
+    assert f"other processes used {kept['others_cores']:.2f} cores meanwhile" in shown.stdout

@@ -44,6 +44,19 @@ def _messages(model, turns: int, n_ctx: int, outgrow: float, gen: int, seed: int
     return [s.user_content() for s in synthetic.generate("prose", turns, size, count, seed=seed, max_new_tokens=1)]
 
 
+def _check(d) -> str:
+    """What the speed budget's check did on a turn, in a word: below park_from (the full cache kept without
+    one), rested (selfcheck.Backoff), passed (the eviction or parking committed), refused, or none (nothing to
+    evict, or a gate without a check)."""
+    if d.park_from is not None:
+        return "below park_from"
+    if d.check_rested is not None:
+        return "rested"
+    if d.verify_score is None:
+        return "none"
+    return "passed" if d.evicted else "refused"
+
+
 def _turn(chat: ChatSession, message: str, gen: int) -> dict:
     t0 = time.perf_counter()
     first = None
@@ -54,7 +67,7 @@ def _turn(chat: ChatSession, message: str, gen: int) -> dict:
     d, r = s.decision, s.result
     return dict(ttft_s=first if first is not None else time.perf_counter() - t0, tok_s=r.tokens_per_s,
                 gen_tokens=len(r.tokens), T=d.T, cells=chat.engine.cells_used(), room_evicted=d.room_evicted,
-                chunks=d.chunks, speed_evicted=d.evicted, parked=d.parked, restored=d.restored)
+                chunks=d.chunks, speed_evicted=d.evicted, parked=d.parked, restored=d.restored, check=_check(d))
 
 
 def _med(runs: list[dict], key: str) -> float:
@@ -138,7 +151,8 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
             row["page_local"] = dict(ttft_s=round(_med(p, "ttft_s"), 4), tok_s=round(_med(p, "tok_s"), 2),
                                      cells=p[0]["cells"], room_evicted=p[0]["room_evicted"], chunks=p[0]["chunks"],
                                      speed_evicted=p[0]["speed_evicted"], gen_tokens=p[0]["gen_tokens"],
-                                     parked=p[0]["parked"], restored=p[0]["restored"])
+                                     parked=p[0]["parked"], restored=p[0]["restored"],
+                                     checks=[x["check"] for x in p])  # one per repeat
             if wall is None and (p[0]["room_evicted"] or p[0]["chunks"] > 1):
                 wall = k + 1
         if f:

@@ -31,9 +31,12 @@ def _lengths(text: str) -> tuple[int, ...]:
               help="Say what auto picks for this context size (default: the model's trained context, capped at 8192).")
 @click.option("--show", is_flag=True, help="Show the stored tuning and what auto picks; measure nothing.")
 @click.option("--forget", is_flag=True, help="Remove the stored tuning (auto falls back to the backend's default).")
+@click.option("--busy-ok", is_flag=True,
+              help="Store the tuning even when other processes took the cores it needs while it measured "
+                   "(by default it is not stored then: its timings would describe the load).")
 @n_gpu_layers_option
 @json_option()
-def tune_cmd(model, threads, lengths, n_ctx, show, forget, n_gpu_layers, rpc, as_json):
+def tune_cmd(model, threads, lengths, n_ctx, show, forget, busy_ok, n_gpu_layers, rpc, as_json):
     """Time flash attention on and off (prefill and one-token decode at a few cache sizes) for this model,
     machine, device and thread count, and store the result: later runs with --flash-attn auto use it.
     Takes about a minute for the embedded model on a 2-core CPU; run it alone."""
@@ -60,19 +63,23 @@ def tune_cmd(model, threads, lengths, n_ctx, show, forget, n_gpu_layers, rpc, as
                 tuning = status.tuning
             else:
                 t0 = time.perf_counter()
-                with progress(out) as bar:
+                with progress(out) as bar, attention.HostMeter() as host:
                     task = bar.add_task("tuning", total=1.0)
                     points = attention.measure(m, threads, lens,
                                                progress=lambda text, frac: bar.update(task, description=text,
                                                                                       completed=frac))
-                tuning = Tuning(key, points, now(), time.perf_counter() - t0)
+                if attention.disturbed(host.others_cores, threads) and not busy_ok:
+                    raise click.ClickException(
+                        f"not stored: {attention.busy_note(host.others_cores, threads)}. Run it again when the "
+                        "machine is quiet, or add --busy-ok to store it anyway")
+                tuning = Tuning(key, points, now(), time.perf_counter() - t0, round(host.others_cores, 3))
                 save_tuning(tuning)
             choice = attention.resolve("auto", "f16", str(m.layers_device), ctx_len,
                                        tuning.points if tuning else None)
     result = {"key": key.to_dict(), "path": str(status.path), "tuned": tuning is not None,
               "n_ctx": ctx_len, "auto": choice.to_dict()}
     if tuning is not None:
-        result.update(seconds=round(tuning.seconds, 1), created=tuning.created,
+        result.update(seconds=round(tuning.seconds, 1), created=tuning.created, others_cores=tuning.others_cores,
                       points={s: [list(p) for p in tuning.points[s]] for s in ("on", "off")},
                       bands=attention.bands(tuning.points, max(ctx_len, tuning.points["on"][-1][0])))
     if as_json:
@@ -83,7 +90,9 @@ def tune_cmd(model, threads, lengths, n_ctx, show, forget, n_gpu_layers, rpc, as
                    f"auto: {choice.why}")
         return
     click.echo(f"{key.machine}; {key.device}; {key.threads} threads"
-               + (f"; measured in {tuning.seconds:.0f} s" if not show else f"; measured {tuning.created}"))
+               + (f"; measured in {tuning.seconds:.0f} s" if not show else f"; measured {tuning.created}")
+               + (f"; other processes used {tuning.others_cores:.2f} cores meanwhile"
+                  if tuning.others_cores is not None else ""))
     click.echo(f"{'cells':>6} {'prefill ms/tok on/off':>22} {'decode ms on/off (spread)':>27}")
     for on, off in zip(tuning.points["on"], tuning.points["off"]):
         spread = f" ({on[3]:.1f} / {off[3]:.1f})" if len(on) > 3 and len(off) > 3 else ""

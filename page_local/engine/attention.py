@@ -15,7 +15,9 @@ faster than the plain path, and prefill stays 1.3x faster than the plain path. S
   4. with no tuning stored, one is measured now, once (first use: `first_use`), in a time box of
      AUTOTUNE_S (30 s): both paths at 256, 1024 and 2048 cells, stopping before a length that would pass
      the box; longer contexts are extrapolated (cost_curve). $PAGE_LOCAL_AUTOTUNE=off skips it (then 5.),
-     a number of seconds sets the box;
+     a number of seconds sets the box. A tuning measured while other processes took the cores it needs
+     (`HostMeter`, `disturbed`) is not kept: it measures the machine's load, not its paths (then 5., and
+     the next start measures again);
   5. else the backend's default: on (with the patched kernel on the CPU, measured above; llama.cpp's choice
      for GPUs).
 
@@ -37,6 +39,7 @@ import numpy as np
 
 from page_local.defaults import AUTOTUNE_ENV, AUTOTUNE_S, CACHE_ENV, CACHE_TYPES, FLASH_ATTN, FLASH_ENV
 
+BUSY_CORES = 0.25  # other processes' average use of the cores a tuning needs beyond which it is not kept
 TIE = 0.03  # mean costs within 3 % (or within the timings' spread, if larger) are a tie: on wins it
 TUNE_LENGTHS = (256, 1024, 2048)  # cells at which `page-local tune` times a decode step
 BANDS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -208,6 +211,50 @@ def engine_settings(settings: AttentionSettings | None, flash_attn: str | None, 
 
 # --- measuring (drives a context: the engine layer) -------------------------------------------
 
+class HostMeter:
+    """`with HostMeter() as m:` ... then m.others_cores: the CPU time other processes (and a hypervisor's
+    steal) took while the block ran, in cores on average: the host's busy time less this process's (psutil).
+    A 2-core machine running a test suite beside a tuning measures ~1; an idle desktop ~0.05."""
+
+    others_cores: float = 0.0
+
+    @staticmethod
+    def _host() -> float:
+        import psutil
+
+        t = psutil.cpu_times()
+        return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+    @staticmethod
+    def _own() -> float:
+        import psutil
+
+        t = psutil.Process().cpu_times()
+        return t.user + t.system
+
+    def __enter__(self) -> "HostMeter":
+        self._wall, self._host0, self._own0 = time.perf_counter(), self._host(), self._own()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = max(1e-6, time.perf_counter() - self._wall)
+        self.others_cores = max(0.0, (self._host() - self._host0) - (self._own() - self._own0)) / wall
+
+
+def disturbed(others_cores: float, threads: int, cores: int | None = None) -> bool:
+    """Whether other processes took the cores a tuning with `threads` threads needs: their average use beyond
+    the machine's spare cores (cores - threads) by more than BUSY_CORES. On 2 cores with 2 threads a quarter
+    of a core; on 16 cores with 4 threads, 12.25."""
+    cores = cores or os.cpu_count() or 1
+    return others_cores > BUSY_CORES + max(0, cores - threads)
+
+
+def busy_note(others_cores: float, threads: int) -> str:
+    cores = os.cpu_count() or 1
+    return (f"other processes used {others_cores:.2f} of this machine's {cores} cores while it measured "
+            f"({threads} threads), so its timings would describe the load, not the paths")
+
+
 def measure(model, threads: int, lengths=TUNE_LENGTHS, repeats: int = 5,
             progress: Callable[[str, float], None] | None = None, budget_s: float | None = None) -> dict:
     """Time both paths on `model`: one growing sequence of random tokens per path, and at each length of
@@ -286,17 +333,29 @@ def autotune_budget() -> float | None:
     return box
 
 
+QUIET_CHECK_S = 0.3  # how long the first-use tuning watches the machine before it starts
+
+
 def first_use(model, key, threads: int, budget_s: float,
               progress: Callable[[str, float], None] | None = None):
     """Measure and store the tuning of `key` now (the first use of this model, machine, device, thread count
-    and library), within budget_s seconds. Returns the Tuning."""
+    and library), within budget_s seconds. Returns (Tuning, None), or (None, why) when other processes took
+    the cores it needs (`disturbed`): watched for QUIET_CHECK_S before it starts (then nothing is measured)
+    and during the measurement (then nothing is stored); the next first use tries again."""
     from page_local.store.tuning import Tuning, now, save_tuning
 
+    with HostMeter() as before:
+        time.sleep(QUIET_CHECK_S)
+    if disturbed(before.others_cores, threads):
+        return None, busy_note(before.others_cores, threads).replace("while it measured", "before it began")
     t0 = time.perf_counter()
-    points = measure(model, threads, TUNE_LENGTHS, repeats=5, progress=progress, budget_s=budget_s)
-    tuning = Tuning(key, points, now(), time.perf_counter() - t0)
+    with HostMeter() as during:
+        points = measure(model, threads, TUNE_LENGTHS, repeats=5, progress=progress, budget_s=budget_s)
+    if disturbed(during.others_cores, threads):
+        return None, busy_note(during.others_cores, threads)
+    tuning = Tuning(key, points, now(), time.perf_counter() - t0, round(during.others_cores, 3))
     save_tuning(tuning)
-    return tuning
+    return tuning, None
 
 
 # --- the engine's entry point ----------------------------------------------------------------
@@ -329,7 +388,12 @@ def choose(model_path, model, threads: int, n_ctx: int, settings: AttentionSetti
         tuned, warning = (status.tuning.points if status.tuning else None), status.warning
         if tuned is None and box is not None:
             try:
-                tuned, first = first_use(model, key, threads, box, progress).points, True
+                tuning, busy = first_use(model, key, threads, box, progress)
+                if tuning is not None:
+                    tuned, first = tuning.points, True
+                else:
+                    warning = (f"the first-use attention tuning was not kept: {busy}; the default path is used and "
+                               "the next start measures again (or run `page-local tune` when the machine is quiet)")
             except (OSError, RuntimeError, ValueError) as e:  # a context that cannot be made, an unwritable home
                 warning = f"the first-use attention tuning failed ({' '.join(str(e).split())}); `page-local tune` retries"
     choice = resolve(fa, ct, str(model.layers_device), n_ctx, tuned)

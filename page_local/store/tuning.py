@@ -88,6 +88,7 @@ class Tuning:
     points: dict  # {"on": [(T, prefill_ms_per_token, decode_ms[, decode_spread_ms]), ...], "off": [...]}
     created: str
     seconds: float  # how long the measurement took
+    others_cores: float | None = None  # other processes' average CPU use while it measured (None: not recorded)
 
 
 def tuning_path(key: TuningKey) -> Path:
@@ -101,6 +102,8 @@ def save_tuning(tuning: Tuning) -> Path:
             "created": tuning.created, "seconds": round(float(tuning.seconds), 2),
             "points": {s: [[int(row[0])] + [float(v) for v in row[1:]] for row in tuning.points[s]]
                        for s in SETTINGS}}
+    if tuning.others_cores is not None:
+        data["others_cores"] = round(float(tuning.others_cores), 3)
     with atomic_write(path) as f:
         json.dump(data, f, indent=1)
         f.write("\n")
@@ -160,7 +163,9 @@ def read_tuning(key: TuningKey) -> TuningStatus:
                                             "model, machine, thread count or library; run `page-local tune` again")
         points = parse_points(data.get("points"))
         seconds = data.get("seconds", 0.0)
-        tuning = Tuning(key, points, str(data.get("created", "")), float(seconds) if _real(seconds) else 0.0)
+        others = data.get("others_cores")
+        tuning = Tuning(key, points, str(data.get("created", "")), float(seconds) if _real(seconds) else 0.0,
+                        float(others) if _real(others) and others >= 0 else None)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as e:
         return TuningStatus(None, path, f"ignoring the unreadable attention tuning {path} ({e}); "
                                         "run `page-local tune` again")
