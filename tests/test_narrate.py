@@ -166,6 +166,13 @@ def test_a_resting_check_says_so():
     assert "without paying for one" in narrate.why(d)
 
 
+def test_an_answer_over_within_the_check_says_why_none_ran():
+    d = decision(T=2400, kept=2400, open=True, D=0.1, gate_mode="verify", check_unneeded=12)
+    assert narrate.status(d) == ("full cache kept: 2400 tokens, unchecked (the answer was over within the check, "
+                                 "12 tokens: nothing left to speed up)")
+    assert "no check was run" in narrate.why(d) and "chooses again" in narrate.why(d)
+
+
 def test_parking_is_told_as_set_aside():
     d = decision(T=2321, kept=580, open=True, evicted=True, rule="forced", gate_mode="always", parked=1741,
                  restored=1733)

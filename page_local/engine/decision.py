@@ -65,6 +65,9 @@ class Decision:
     # set when the check rested (selfcheck.Backoff): checks refused in a row before this turn, which kept the
     # full cache without one
     check_rested: int | None = None
+    # set when parking skipped the check because the answer was over inside its span (its length in tokens): a
+    # passed check would have parked cells for no token, and the next message chooses again from every cell
+    check_unneeded: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -114,6 +114,9 @@ def _turn_status(d: Decision) -> str:
         return f"full cache kept: {d.T} tokens, fewer than {d.park_from}, where setting tokens aside does not pay"
     if d.check_rested is not None:
         return f"full cache kept: {d.T} tokens, unchecked (the last {d.check_rested} checks were refused)"
+    if d.check_unneeded is not None:
+        return (f"full cache kept: {d.T} tokens, unchecked (the answer was over within the check, "
+                f"{d.check_unneeded} tokens: nothing left to speed up)")
     kept = (f"attending to {d.kept} of {d.T} tokens, {d.parked} set aside" if d.parked
             else f"evicted to {d.kept} of {d.T}")
     if verify and d.verify_m:
@@ -166,6 +169,10 @@ def why(d: Decision) -> str:
         text = (f"The check was refused on the last {d.check_rested} turns, so this turn kept the full cache "
                 "without paying for one; the conversation is checked again after a rest that doubles with each "
                 f"further refusal (up to 8 turns). {kept_all}")
+    elif d.check_unneeded is not None:
+        text = (f"The answer was over within the check's span ({d.check_unneeded} tokens), so nothing was left for "
+                "a smaller attention set to speed up, and your next message chooses again from every cell: no check "
+                f"was run and the full cache was kept. {kept_all}")
     elif verify and d.open:
         text = (f"The evicted candidate was not checked ({_unchecked(d)[1]}), and an unchecked eviction "
                 f"is never committed. {kept_all}")

@@ -24,7 +24,9 @@ class SelfCheck:
     the answer); rule, threshold: verify.RULES; cap: the most answer tokens checked; ladder: the budgets as
     the user gave them (for the status line); compact: move the committed copy's cells together. park: None, or
     park(positions, answered) — a passed check parks the positions the copy dropped (engine/parking.py) instead of
-    evicting them; the answer's cells of the full cache stay (they were computed with the whole conversation)."""
+    evicting them; the answer's cells of the full cache stay (they were computed with the whole conversation). With
+    park, an answer that is over inside the span is not checked (Decision.check_unneeded): parking pays only for the
+    tokens after the check, and the next message chooses again anyway."""
 
     def __init__(self, ctx, pipeline: Pipeline, dec: Decision, plan: tuple, rule: str, threshold: float, cap: int,
                  ladder, compact: bool, park=None):
@@ -44,6 +46,14 @@ class SelfCheck:
         ctx, pipe, dec = self.ctx, self.pipeline, self.dec
         keeps, held, last_pos, last_tok = self.plan  # keeps: [(B, keep)], smallest B first, or a function of the answer
         m = len(out)
+        if self.park is not None and until != "cap":
+            # parking, and the answer is over inside the span (it ended, or max_tokens or the context stopped it):
+            # no token is left for a parked cache to speed up, and the next message restores every cell and
+            # chooses again, so a check (a third of a step per answer token) would buy nothing
+            dec.check_unneeded = m
+            dec.reason += (f"; no check: the answer was over within the check's {self.cap} tokens ({m}), so nothing "
+                           "was left to speed up (the next message chooses again from every cell)")
+            return
         t0 = time.perf_counter()
         dec.verify_threshold, dec.verify_rule = self.threshold, self.rule
         if ctx.cells_used(0) + m + 1 > ctx.n_ctx:  # one candidate at a time holds a copy of the answer
