@@ -28,6 +28,7 @@ from page_local.chat.session import SAVE_FORMAT, ChatSession, Message
 from page_local.engine import Decision, Result, Sampling
 from page_local.engine.attention import Attention
 from page_local.engine.room import check_on_full
+from page_local.engine.selfcheck import Payback
 from page_local.errors import ChatFileError
 from page_local.evictors import get_evictor
 from page_local.evictors.base import resolve_budget
@@ -120,6 +121,7 @@ class FakeEngine:
         self.queue: deque[_Turn] = deque()
         self.prompts: list[str] = []  # every prompt a stream was given, in order
         self.closed = False
+        self.payback = Payback()  # with parking: how far past the check answers went (none here)
 
     # --- what a test scripts ---------------------------------------------------------------
     def enqueue(self, pieces: list[str] | BaseException, decision: Decision | None = None,

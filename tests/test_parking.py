@@ -15,6 +15,9 @@ FILL = "The grass is green. The sky is blue. The sun is yellow. Here we go. Ther
 DOC = (FILL * 8 + "The secret code of the blue door is 58213.\n" + FILL * 8 + "The secret code of the red door is 90417.\n"
        + FILL * 8)
 TURNS = [DOC + "\nSay hello.", "What is the secret code of the red door?", "What is the secret code of the blue door?"]
+# answer tokens per turn: the greeting stays within the check's span CAP, so the second turn is the first whose
+# answer reaches it, and nothing of this chat tells its check that answers end soon after the cap
+MAX = [4, 16, 16]
 
 
 CAP = 8  # the check's span in these chats: answers of up to 16 tokens go on past it, so a passed check parks
@@ -34,22 +37,27 @@ def say(session: ChatSession, text: str, max_tokens: int = 16):
     return "".join(turn).strip(), turn.decision
 
 
+def turn(session: ChatSession, k: int):
+    """Turn k of TURNS, with its MAX answer tokens."""
+    return say(session, TURNS[k], MAX[k])
+
+
 def test_a_later_turn_finds_what_parking_kept(smollm2_path):
     """The second turn's first CAP answer tokens pass the check on a quarter of the cache, so its eviction is committed
     (three quarters parked) and the answer goes on from the parked cache; the third asks about the other door. Parked, the cells come back before the third message is read and it is answered as
     with the full cache (on an Intel Xeon, evicting them for good instead answered "5821")."""
     with Engine(smollm2_path, n_ctx=2048, budget=1.0, gate="verify", threads=THREADS, autotune=False) as eng:
         s = ChatSession(eng)
-        full = [say(s, t)[0] for t in TURNS]
+        full = [turn(s, k)[0] for k in range(len(TURNS))]
     assert "58213" in full[2] and "90417" in full[1]
     eng, s = chat(smollm2_path, budget=0.25, park=True, park_from=0)
     with eng:
-        say(s, TURNS[0])
-        answer, dec = say(s, TURNS[1])
+        turn(s, 0)
+        answer, dec = turn(s, 1)
         assert answer == full[1]
         assert dec.evicted and dec.parked > 400 and dec.kept < dec.T / 3  # committed: three quarters parked
         assert eng.parking.count() == dec.parked == len(eng.ctx.page.parked(PARK_SEQ))
-        answer, dec = say(s, TURNS[2])
+        answer, dec = turn(s, 2)
         assert dec.restored > 400  # every parked cell was back before the message was read
         assert answer == full[2]
 
@@ -84,20 +92,20 @@ def test_an_answer_over_within_the_check_runs_none_and_stays_the_full_cache(smol
 def test_a_parked_chat_continues_identically_after_load(smollm2_path, tmp_path):
     eng, s = chat(smollm2_path, budget=0.25, park=True, park_from=0)
     with eng:
-        say(s, TURNS[0])
-        say(s, TURNS[1])
+        turn(s, 0)
+        turn(s, 1)
         parked = eng.ctx.page.parked(PARK_SEQ).tolist()
         held = eng.ctx.page.positions(0).tolist()
         assert parked
         f = s.save(tmp_path / "parked.pglc")
-        want = say(s, TURNS[2])
+        want = turn(s, 2)
     eng2, s2 = chat(smollm2_path, budget=0.25, park=True, park_from=0)
     with eng2:
         s2.load(f)
         assert eng2.ctx.page.parked(PARK_SEQ).tolist() == parked
         assert eng2.ctx.page.positions(0).tolist() == held
         assert eng2.parking.count() == len(parked)
-        got = say(s2, TURNS[2])
+        got = turn(s2, 2)
         assert got[0] == want[0] and got[1].restored == want[1].restored
 
 
@@ -180,3 +188,41 @@ def test_park_from_is_where_parking_pays_for_the_model(smollm2_path):
     with Engine(smollm2_path, n_ctx=256, threads=THREADS, autotune=False, park=True, flash_attn="on",
                 cache_type="q8_0") as eng:
         assert eng.park_from == 4096
+
+
+def test_payback_expects_what_the_request_allows_and_the_conversation_shows():
+    from page_local.engine.selfcheck import Payback
+
+    p = Payback()
+    assert p.expected(max_tokens=384, cap=64) == 320 and p.expected(max_tokens=40, cap=64) == 0
+    p.record(50, cap=64)  # over within the span: says nothing about what follows the cap
+    assert p.after == [] and p.expected(384, 64) == 320
+    for n in (112, 120, 300, 90):
+        p.record(n, cap=64)
+    assert p.after == [56, 236, 26] and p.expected(384, 64) == 56 and p.expected(100, 64) == 36
+    assert Payback.tokens(64) == 64
+
+
+def test_a_check_that_could_not_pay_back_is_not_run(smollm2_path, tmp_path):
+    """At the cap, the tokens expected after it are fewer than the check's: no check, no forced token, nothing
+    parked, and the answer is the full cache's. First from the request (max_tokens 12 leaves 4 after a cap of 8),
+    then from the conversation (the answer before went 4 tokens past the cap); a saved chat keeps what it learnt."""
+    with Engine(smollm2_path, n_ctx=2048, budget=1.0, gate="verify", threads=THREADS, autotune=False) as eng:
+        s = ChatSession(eng)
+        full = [say(s, TURNS[0], 4)[0], say(s, TURNS[1], 12)[0], say(s, TURNS[2], 16)[0]]
+    eng, s = chat(smollm2_path, budget=0.25, park=True, park_from=0)
+    with eng:
+        turn(s, 0)
+        answer, dec = say(s, TURNS[1], 12)
+        assert dec.check_unpaid == 4 and dec.verify_forced is None and dec.parked == 0 and not dec.evicted
+        assert answer == full[1] and "no check at the cap: about 4 more answer tokens" in dec.reason
+        assert eng.payback.after == [4]  # 12 tokens: 4 after the cap
+        answer, dec = say(s, TURNS[2], 16)  # the request allows 8 after the cap, the conversation shows 4
+        assert dec.check_unpaid == 4 and dec.parked == 0 and answer == full[2]
+        learnt = list(eng.payback.after)
+        assert len(learnt) == 2
+        f = s.save(tmp_path / "payback.pglc")
+    eng2, s2 = chat(smollm2_path, budget=0.25, park=True, park_from=0)
+    with eng2:
+        s2.load(f)
+        assert eng2.payback.after == learnt

@@ -47,7 +47,8 @@ def _messages(model, turns: int, n_ctx: int, outgrow: float, gen: int, seed: int
 def _check(d) -> str:
     """What the speed budget's check did on a turn, in a word: below park_from (the full cache kept without
     one), rested (selfcheck.Backoff), answer over (parking: the answer ended inside the check's span, so none
-    ran), passed (the eviction or parking committed), refused, or none (nothing to evict, or a gate without a
+    ran), would not pay (parking: too few tokens expected after the cap, selfcheck.Payback), passed (the
+    eviction or parking committed), refused, or none (nothing to evict, or a gate without a
     check)."""
     if d.park_from is not None:
         return "below park_from"
@@ -55,6 +56,8 @@ def _check(d) -> str:
         return "rested"
     if d.check_unneeded is not None:
         return "answer over"
+    if d.check_unpaid is not None:
+        return "would not pay"
     if d.verify_score is None:
         return "none"
     return "passed" if d.evicted else "refused"

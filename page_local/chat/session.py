@@ -149,6 +149,8 @@ class ChatSession:
         path = Path(path).expanduser()
         data = {"format": SAVE_FORMAT, "version": 1, "system": self.system,
                 "messages": [m.__dict__ for m in self.messages], "settings": settings or {}}
+        if self.engine.payback.after:  # with parking: how far past the check this chat's answers went
+            data["answers_after"] = list(self.engine.payback.after)
         with atomic_write(path) as f:
             json.dump(data, f, ensure_ascii=False, indent=1)
         return path
@@ -210,6 +212,10 @@ class ChatSession:
             self.system = data.get("system")
             self._protect_system()
             self.replay([Message(m["role"], m["content"]) for m in data["messages"]])
+            after = data.get("answers_after")
+            if isinstance(after, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in after):
+                self.engine.payback.after = after[-self.engine.payback.RECENT:]
         except BaseException:  # refused, failed or interrupted: the conversation as it was, cache included
             self.system, self.messages, self._text, self.evicted, snap = before
             self._protect_system()

@@ -68,6 +68,9 @@ class Decision:
     # set when parking skipped the check because the answer was over inside its span (its length in tokens): a
     # passed check would have parked cells for no token, and the next message chooses again from every cell
     check_unneeded: int | None = None
+    # set when parking skipped the check at its cap because too few answer tokens were expected after it to pay the
+    # check back (selfcheck.Payback: the tokens expected)
+    check_unpaid: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

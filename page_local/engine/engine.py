@@ -38,7 +38,7 @@ from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
 from page_local.engine.parking import N_SEQ, PARK_SEQ, Parking, park_from_for
 from page_local.engine.room import RoomMaker, answer_room, check_on_full, reread_from
-from page_local.engine.selfcheck import AfterAnswer, Backoff, SelfCheck
+from page_local.engine.selfcheck import AfterAnswer, Backoff, Payback, SelfCheck
 from page_local.engine.settings import SettingError, TurnSettings
 from page_local.engine.transcript import Transcript
 from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, Pipeline, supported
@@ -176,6 +176,7 @@ class Engine:
         if self.park_from is None:
             self.park_from = self.default_park_from()
         self.backoff = Backoff()  # a check refused turn after turn rests (selfcheck.py)
+        self.payback = Payback()  # with parking: how long this conversation's answers go on after the check
         self._progress_fn = None  # set_progress
 
     # --- settings ----------------------------------------------------------------------------
@@ -292,6 +293,7 @@ class Engine:
         if n_tokens < len(self.history):
             self.parking.unpark(self.conv, 0)  # the tail's parked cells go with it, the others are held again
             self.ctx.seq_rm(0, self.conv.pos[n_tokens], -1)
+            self.payback.reset()  # the answers it remembered may be gone
         self.conv.truncate(n_tokens)
         if n_tokens <= self.backoff.at:  # the message the refusals were counted on is gone
             self.backoff.reset()
@@ -303,7 +305,8 @@ class Engine:
                         positions=tuple(int(p) for p in self.ctx.page.positions(0)), state=self.ctx.seq_state(0),
                         history_pos=None if self.conv.pos == list(range(len(self.conv.pos))) else tuple(self.conv.pos),
                         parked_state=self.ctx.seq_state(PARK_SEQ) if parked else b"", parked=tuple(parked),
-                        parked_scores=tuple(self.parking.scores[p] for p in parked))
+                        parked_scores=tuple(self.parking.scores[p] for p in parked),
+                        answers_after=tuple(self.payback.after))
 
     def restore(self, snap: Snapshot) -> None:
         """Replace the conversation with a snapshot (of this model, fitting this n_ctx). StateFileError if
@@ -340,6 +343,7 @@ class Engine:
         if why is None:
             self.conv = Transcript(list(snap.history), _positions(snap),
                                    None if len(snap.positions) < len(snap.history) else set())
+            self.payback.after = list(snap.answers_after)[-Payback.RECENT:]
             return
         self.reset()
         if before is not None:  # put the conversation back as it was
@@ -472,6 +476,7 @@ class Engine:
         self.conv.clear()
         self.parking.clear()
         self.backoff.reset()
+        self.payback.reset()
 
     # --- one turn ----------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS, sampling: Sampling | None = None,
@@ -589,7 +594,8 @@ class Engine:
                 self.parking.park(drop, max(0, reserve - answered))
                 dec.parked = self.parking.count()
         check = None if plan is None else SelfCheck(ctx, self.pipeline, dec, plan, t.verify_rule, t.verify_threshold,
-                                                    t.verify_tokens, t.ladder, t.compact, park=park)
+                                                    t.verify_tokens, t.ladder, t.compact, park=park,
+                                                    expect_after=self.payback.expected(max_tokens, t.verify_tokens))
         room = None if t.on_full != "evict" else (lambda: self._answer_room(dec, reserve, start, t))
         sampler = self._sampler(sampling)
         loop = AnswerLoop(ctx, self.model, self.conv, sampler, max_tokens, self.room.pos_limit,
@@ -599,6 +605,8 @@ class Engine:
             yield from loop
             if check is not None and dec.verify_m is not None:  # the check ran: its verdict counts
                 self.backoff.record(dec.evicted, start)
+            if check is not None and loop.finish != "interrupted":
+                self.payback.record(len(loop.out), t.verify_tokens)
         finally:
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
             sampler.close()

@@ -117,6 +117,9 @@ def _turn_status(d: Decision) -> str:
     if d.check_unneeded is not None:
         return (f"full cache kept: {d.T} tokens, unchecked (the answer was over within the check, "
                 f"{d.check_unneeded} tokens: nothing left to speed up)")
+    if d.check_unpaid is not None:
+        return (f"full cache kept: {d.T} tokens, unchecked (about {d.check_unpaid} answer tokens expected after the "
+                "check: too few to pay it back)")
     kept = (f"attending to {d.kept} of {d.T} tokens, {d.parked} set aside" if d.parked
             else f"evicted to {d.kept} of {d.T}")
     if verify and d.verify_m:
@@ -173,6 +176,10 @@ def why(d: Decision) -> str:
         text = (f"The answer was over within the check's span ({d.check_unneeded} tokens), so nothing was left for "
                 "a smaller attention set to speed up, and your next message chooses again from every cell: no check "
                 f"was run and the full cache was kept. {kept_all}")
+    elif d.check_unpaid is not None:
+        text = (f"At the check's cap, about {d.check_unpaid} more answer tokens were expected (from the request's "
+                "max_tokens and this conversation's earlier answers): too few for a smaller attention set to win back "
+                f"what the check costs, so no check was run and the full cache was kept. {kept_all}")
     elif verify and d.open:
         text = (f"The evicted candidate was not checked ({_unchecked(d)[1]}), and an unchecked eviction "
                 f"is never committed. {kept_all}")

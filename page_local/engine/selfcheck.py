@@ -29,10 +29,11 @@ class SelfCheck:
     tokens after the check, and the next message chooses again anyway."""
 
     def __init__(self, ctx, pipeline: Pipeline, dec: Decision, plan: tuple, rule: str, threshold: float, cap: int,
-                 ladder, compact: bool, park=None):
+                 ladder, compact: bool, park=None, expect_after: int | None = None):
         self.ctx, self.pipeline, self.dec, self.plan = ctx, pipeline, dec, plan
         self.rule, self.threshold, self.cap, self.ladder, self.compact = rule, threshold, cap, ladder, compact
         self.park = park
+        self.expect_after = expect_after  # with park: the answer tokens expected after the cap (Payback.expected)
 
     def __call__(self, out: list[int], full_logits: list[np.ndarray], end: int | None = None,
                  until: str = "end") -> None:
@@ -53,6 +54,14 @@ class SelfCheck:
             dec.check_unneeded = m
             dec.reason += (f"; no check: the answer was over within the check's {self.cap} tokens ({m}), so nothing "
                            "was left to speed up (the next message chooses again from every cell)")
+            return
+        if self.park is not None and self.expect_after is not None and self.expect_after < Payback.tokens(self.cap):
+            # parking, at the cap, and the answer is not expected to go on long enough for the parked cache to
+            # pay back what the check costs (its forced tokens): the full cache goes on, unchecked
+            dec.check_unpaid = self.expect_after
+            dec.reason += (f"; no check at the cap: about {self.expect_after} more answer tokens were expected "
+                           f"(this request's max_tokens and this conversation's earlier answers), fewer than the "
+                           f"{Payback.tokens(self.cap)} a parked cache needs to pay back a check of {m}")
             return
         t0 = time.perf_counter()
         dec.verify_threshold, dec.verify_rule = self.threshold, self.rule
@@ -148,6 +157,43 @@ def plan_labels(keeps, ladder, T: int) -> list[str]:
         else:
             names.setdefault(b, str(r))
     return [names.get(b, str(b)) for b, _ in keeps]
+
+
+class Payback:
+    """How many answer tokens a conversation can expect after the check's cap, for parking: a check at the cap
+    costs its forced tokens (about a third of a step each, `bench forced`), and the parked cache wins back less
+    than half a step per token after it (`bench decode`: parked 1.3x the full cache at 2K cells, 1.6-1.9x at 4K),
+    so it pays only when at least as many tokens follow the check as it forced (`tokens`). Measured on the AMD Zen
+    4 (docs/benchmarks.md, "Parking"): answers of 112 tokens, checked at 64, decoded at 0.86-1.02x the full cache
+    whether the check passed or not.
+
+    expected(max_tokens, cap): what the request allows after the cap (max_tokens - cap), and at most the median of
+    the last RECENT answers of this conversation that reached the cap (their tokens after it); None of those yet:
+    what the request allows."""
+
+    RECENT = 3
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.after: list[int] = []  # tokens after the cap of the conversation's recent answers that reached it
+
+    @staticmethod
+    def tokens(cap: int) -> int:
+        """The answer tokens after the cap that pay back a check of `cap` tokens."""
+        return cap
+
+    def expected(self, max_tokens: int, cap: int) -> int:
+        room = max(0, max_tokens - cap)
+        if not self.after:
+            return room
+        return min(room, int(np.median(self.after[-self.RECENT:])))
+
+    def record(self, answered: int, cap: int) -> None:
+        """An answer of `answered` tokens ended: remembered when it reached the cap."""
+        if answered >= cap:
+            self.after = (self.after + [answered - cap])[-self.RECENT:]
 
 
 class Backoff:

@@ -54,6 +54,8 @@ class Snapshot:
     parked_state: bytes = b""  # llama.cpp's sequence state of the parking sequence (engine/parking.py)
     parked: tuple[int, ...] = ()  # the positions parked
     parked_scores: tuple[float, ...] = ()  # each one's score when it was parked (the lowest goes first)
+    # with parking: the tokens after the check's cap of the conversation's recent answers (selfcheck.Payback)
+    answers_after: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +74,8 @@ def save(snap: Snapshot, path: str | os.PathLike, extra: dict | None = None) -> 
         "history_pos": None if snap.history_pos is None else list(snap.history_pos),
         "extra": extra or {},
     }
+    if snap.answers_after:  # optional in every version: a reader without it starts with none
+        header["answers_after"] = list(snap.answers_after)
     version = 1
     if snap.parked:
         version = VERSION
@@ -127,7 +131,8 @@ def read(path: str | os.PathLike) -> tuple[Snapshot, dict]:
                         else tuple(int(p) for p in header["history_pos"]),
                         parked_state=state[len(state) - n_parked:] if n_parked else b"",
                         parked=tuple(int(p) for p in header.get("parked", [])) if n_parked else (),
-                        parked_scores=tuple(float(x) for x in header.get("parked_scores", [])) if n_parked else ())
+                        parked_scores=tuple(float(x) for x in header.get("parked_scores", [])) if n_parked else (),
+                        answers_after=tuple(int(x) for x in header.get("answers_after", [])))
     except (KeyError, TypeError, ValueError) as e:
         raise StateFileError(f"{path} has a corrupt header ({e})") from None
     extra = header.get("extra") or {}
