@@ -52,6 +52,30 @@ def test_conversations_are_reproducible_and_sized_to_the_length():
         cv.build_conversation(0, 9, 1.0, 1024, _words, _measure)
 
 
+def test_summaries_ask_a_pasted_document_for_a_long_answer_and_keep_the_later_questions():
+    plain = cv.build_conversation(2, 6, 1.0, 1024, _words, _measure, seed=3)
+    summ = cv.build_conversation(2, 6, 1.0, 1024, _words, _measure, seed=3, summaries=True)
+    for a, b in zip(plain.turns, summ.turns):
+        # the same facts asked in the same order (the prose is sized again around the longer requests)
+        assert (a.fact.key, a.fact.value, a.fact.doc, a.doc) == (b.fact.key, b.fact.value, b.fact.doc, b.doc)
+        q = cv.QUESTION.format(key=a.fact.key)
+        if a.doc is not None:  # pasted: the summary first, then the same question
+            assert a.user.endswith("\n\n" + q) and b.user.endswith("\n\n" + cv.SUMMARY + q)
+        else:
+            assert a.user == b.user == q
+
+
+def test_a_summaries_run_keeps_its_rows_apart(smollm2_path, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    kw = dict(n=1, turns=2, lengths=(1.0,), n_ctx=512, policies=("full",), max_tokens=8, threads=2, out=out)
+    assert cv.run_conversations(smollm2_path, **kw)["rows_written"] == 2
+    res = cv.run_conversations(smollm2_path, summaries=True, **kw)  # not taken for the plain run's rows
+    assert res["rows_written"] == 2 and res["rows_present"] == 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("summaries") for r in rows] == [None, None, True, True]
+    assert cv.run_conversations(smollm2_path, summaries=True, **kw)["rows_written"] == 0  # resumed
+
+
 # --- a tiny run on SmolLM2 ---------------------------------------------------------------------------
 
 N_CTX, TURNS = 256, 4

@@ -213,6 +213,9 @@ def eval_report(results, out_dir, profile, as_json):
 @click.option("--max-tokens", "max_tokens", default=32, show_default=True, type=click.IntRange(1, 512),
               help="Greedy answer tokens per turn, at most.")
 @click.option("--seed", default=42, show_default=True, type=click.IntRange(min=0))
+@click.option("--summaries", is_flag=True,
+              help="A turn that pastes a document asks for its summary first (a long answer: give --max-tokens "
+                   "above the check's 64), then its question; the later turns' questions stay short.")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False),
               help="Results JSONL (appended to and resumed; default results/conversations-<model>-<n_ctx>.jsonl).")
 @click.option("--report-dir", "report_dir", default=None, type=click.Path(file_okay=False),
@@ -220,8 +223,8 @@ def eval_report(results, out_dir, profile, as_json):
 @threads_option
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @load_options
-def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, evictor, max_tokens, seed, out, report_dir,
-                       threads, quiet, n_gpu_layers, rpc, attention_settings, allow_long_context):
+def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, evictor, max_tokens, seed, summaries, out,
+                       report_dir, threads, quiet, n_gpu_layers, rpc, attention_settings, allow_long_context):
     """Multi-turn chats over long documents at 1x, 2x and 4x n_ctx: the full cache, page-local, llama.cpp's
     context shift and Ollama's truncation on the same conversations; then the report (run it again to resume)."""
     from page_local.eval.conversations import ALL_POLICIES, run_conversations
@@ -249,7 +252,8 @@ def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, evicto
             res = run_conversations(path, n=n, turns=turns, lengths=length_list, n_ctx=n_ctx, policies=policy_list,
                                     budget=budget, evictor=evictor, max_tokens=max_tokens, seed=seed, threads=threads, out=out,
                                     progress=bar, n_gpu_layers=n_gpu_layers, rpc=rpc,
-                                    attention_settings=attention_settings, allow_long_context=allow_long_context)
+                                    attention_settings=attention_settings, allow_long_context=allow_long_context,
+                                    summaries=summaries)
     except KeyboardInterrupt:
         fail(f"interrupted; finished conversations are in {out} (run the same command again to resume)", 1)
     with one_line_errors():

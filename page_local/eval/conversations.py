@@ -79,9 +79,12 @@ NEEDLES_PER_DOC = 3
 FILL = 0.9  # the conversation's planned tokens, as a fraction of length x n_ctx
 OLLAMA_NUM_KEEP = 4
 KEY_FIELDS = ("model", "conversation", "length", "turn", "turns", "n_ctx", "policy", "budget", "evictor", "max_tokens",
-              "seed")
+              "seed", "summaries")
 INTRO = "Read this document. I will ask you about the special magic numbers in it.\n\n"
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+# summaries: a turn that pastes a document asks for a summary first (a long answer, whose tokens after the check
+# come from the parked cache under parking), then its question; the later turns' questions stay short
+SUMMARY = "Summarise the document above in a few sentences. Then answer: "
 ANSWER = "The special magic number for {key} mentioned in the provided text is {value}."  # for sizing only
 
 
@@ -145,9 +148,10 @@ def _document(sentences: list[str], needles: list[str], depths: list[float]) -> 
 
 
 def build_conversation(index: int, turns: int, length: float, n_ctx: int, count_tokens: Callable[[str], int],
-                       measure: Callable[[list[dict]], int], seed: int = 42) -> Conversation:
+                       measure: Callable[[list[dict]], int], seed: int = 42, summaries: bool = False) -> Conversation:
     """Conversation `index` (a pure function of the arguments). count_tokens: text -> tokens (sizes the
-    prose); measure: messages -> tokens of the rendered chat (sizes the whole conversation)."""
+    prose); measure: messages -> tokens of the rendered chat (sizes the whole conversation, with the short
+    answers: summaries add their own length). summaries: a pasted document's turn asks for its summary first."""
     if not 1 <= turns <= 8:
         raise ValueError(f"turns must be in [1, 8], got {turns!r}")
     if not length > 0:
@@ -176,7 +180,10 @@ def build_conversation(index: int, turns: int, length: float, n_ctx: int, count_
             used[d] += 1
             q = QUESTION.format(key=fact.key)
             pasted = t // 2 if t % 2 == 0 else None
-            user = INTRO + texts[pasted] + "\n\n" + q if pasted is not None else q
+            if pasted is not None:
+                user = INTRO + texts[pasted] + "\n\n" + (SUMMARY + q if summaries else q)
+            else:
+                user = q
             out.append(Turn(user, fact, pasted))
             msgs += [{"role": "user", "content": user},
                      {"role": "assistant", "content": ANSWER.format(key=fact.key, value=fact.value)}]
@@ -391,7 +398,8 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
                       evictor: str = defaults.EVICTOR, max_tokens: int = 32, seed: int = 42, threads: int = 2,
                       out: str | os.PathLike | None = None,
                       progress: Callable[[int, int], None] | None = None, n_gpu_layers=None,
-                      allow_long_context: bool = False, rpc=None, attention_settings=None) -> dict:
+                      allow_long_context: bool = False, rpc=None, attention_settings=None,
+                      summaries: bool = False) -> dict:
     """Every conversation at every length under every policy, side by side (one conversation's
     policies run one after the other); rows appended to `out`, a re-run resumes. The full cache's
     context holds the longest conversation: max(lengths) x n_ctx and the answers. n_gpu_layers, rpc,
@@ -411,6 +419,8 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
                 turns=turns, n_ctx=n_ctx, budget=budget, max_tokens=max_tokens, seed=seed)
     if evictor != defaults.EVICTOR:  # rows of the default evictor carry no field (as before it could be chosen)
         base["evictor"] = evictor
+    if summaries:  # likewise: rows of short-answer chats carry no field
+        base["summaries"] = True
     present = {_key(r) for r in read_rows(out, repair=True)}
     todo = [(c, float(L), p) for c in range(n) for L in lengths for p in policies
             if any(_key(dict(base, conversation=c, length=float(L), turn=t, policy=p)) not in present
@@ -437,7 +447,8 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
                 eng = set_policy(engines[kind], policy)
                 sizer = Sizer(eng.model)
                 if (c, L) not in convs:
-                    convs[(c, L)] = build_conversation(c, turns, L, n_ctx, sizer.count, sizer.measure, seed)
+                    convs[(c, L)] = build_conversation(c, turns, L, n_ctx, sizer.count, sizer.measure, seed,
+                                                       summaries)
                 rows = run_one(convs[(c, L)], policy, eng, max_tokens, sizer)
                 for row in rows:
                     f.write(json.dumps({**base, **row}) + "\n")
