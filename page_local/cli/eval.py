@@ -214,8 +214,8 @@ def eval_report(results, out_dir, profile, as_json):
               help="Greedy answer tokens per turn, at most.")
 @click.option("--seed", default=42, show_default=True, type=click.IntRange(min=0))
 @click.option("--summaries", is_flag=True,
-              help="A turn that pastes a document asks for its summary first (a long answer: give --max-tokens "
-                   "above the check's 64), then its question; the later turns' questions stay short.")
+              help="A turn that pastes a document asks for its summary instead (a long answer: give --max-tokens "
+                   "above the check's 64); the later turns' questions stay short: they are what it measures.")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False),
               help="Results JSONL (appended to and resumed; default results/conversations-<model>-<n_ctx>.jsonl).")
 @click.option("--report-dir", "report_dir", default=None, type=click.Path(file_okay=False),

@@ -82,9 +82,10 @@ KEY_FIELDS = ("model", "conversation", "length", "turn", "turns", "n_ctx", "poli
               "seed", "summaries")
 INTRO = "Read this document. I will ask you about the special magic numbers in it.\n\n"
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
-# summaries: a turn that pastes a document asks for a summary first (a long answer, whose tokens after the check
-# come from the parked cache under parking), then its question; the later turns' questions stay short
-SUMMARY = "Summarise the document above in a few sentences. Then answer: "
+# summaries: a turn that pastes a document asks for its summary instead of a number (a long answer, whose tokens
+# after the check come from the parked cache under parking; SmolLM2 answered only the number when asked for both);
+# the later turns' questions stay short, and they are what such a run measures
+SUMMARY = "Summarise the document above in a few sentences."
 ANSWER = "The special magic number for {key} mentioned in the provided text is {value}."  # for sizing only
 
 
@@ -151,7 +152,8 @@ def build_conversation(index: int, turns: int, length: float, n_ctx: int, count_
                        measure: Callable[[list[dict]], int], seed: int = 42, summaries: bool = False) -> Conversation:
     """Conversation `index` (a pure function of the arguments). count_tokens: text -> tokens (sizes the
     prose); measure: messages -> tokens of the rendered chat (sizes the whole conversation, with the short
-    answers: summaries add their own length). summaries: a pasted document's turn asks for its summary first."""
+    answers: summaries add their own length). summaries: a pasted document's turn asks for its summary (its
+    fact is then asked by no one: that turn's row scores the summary against it)."""
     if not 1 <= turns <= 8:
         raise ValueError(f"turns must be in [1, 8], got {turns!r}")
     if not length > 0:
@@ -181,7 +183,7 @@ def build_conversation(index: int, turns: int, length: float, n_ctx: int, count_
             q = QUESTION.format(key=fact.key)
             pasted = t // 2 if t % 2 == 0 else None
             if pasted is not None:
-                user = INTRO + texts[pasted] + "\n\n" + (SUMMARY + q if summaries else q)
+                user = INTRO + texts[pasted] + "\n\n" + (SUMMARY if summaries else q)
             else:
                 user = q
             out.append(Turn(user, fact, pasted))
