@@ -249,9 +249,9 @@ def disturbed(others_cores: float, threads: int, cores: int | None = None) -> bo
     return others_cores > BUSY_CORES + max(0, cores - threads)
 
 
-def busy_note(others_cores: float, threads: int) -> str:
+def busy_note(others_cores: float, threads: int, when: str = "while it measured") -> str:
     cores = os.cpu_count() or 1
-    return (f"other processes used {others_cores:.2f} of this machine's {cores} cores while it measured "
+    return (f"other processes used {others_cores:.2f} of this machine's {cores} cores {when} "
             f"({threads} threads), so its timings would describe the load, not the paths")
 
 
@@ -347,7 +347,7 @@ def first_use(model, key, threads: int, budget_s: float,
     with HostMeter() as before:
         time.sleep(QUIET_CHECK_S)
     if disturbed(before.others_cores, threads):
-        return None, busy_note(before.others_cores, threads).replace("while it measured", "before it began")
+        return None, busy_note(before.others_cores, threads, "before it began")
     t0 = time.perf_counter()
     with HostMeter() as during:
         points = measure(model, threads, TUNE_LENGTHS, repeats=5, progress=progress, budget_s=budget_s)

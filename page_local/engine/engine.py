@@ -38,7 +38,7 @@ from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
 from page_local.engine.parking import N_SEQ, PARK_SEQ, Parking, park_from_for
 from page_local.engine.room import RoomMaker, answer_room, check_on_full, reread_from
-from page_local.engine.selfcheck import AfterAnswer, Backoff, Payback, SelfCheck
+from page_local.engine.selfcheck import AfterAnswer, Backoff, Payback, SelfCheck, unpaid
 from page_local.engine.settings import SettingError, TurnSettings
 from page_local.engine.transcript import Transcript
 from page_local.engine.turn import AFTER_ANSWER, N_SINK, W, Pipeline, supported
@@ -593,9 +593,13 @@ class Engine:
             def park(drop: np.ndarray, answered: int) -> None:  # a passed check parks instead of evicting
                 self.parking.park(drop, max(0, reserve - answered))
                 dec.parked = self.parking.count()
+        if plan is not None and t.park and max_tokens >= t.verify_tokens:  # an answer that can reach the cap
+            expected = self.payback.expected(max_tokens, t.verify_tokens)
+            if expected < Payback.tokens(t.verify_tokens):  # a check there could not pay back: none is prepared
+                plan = None
+                unpaid(dec, t.verify_tokens, expected)
         check = None if plan is None else SelfCheck(ctx, self.pipeline, dec, plan, t.verify_rule, t.verify_threshold,
-                                                    t.verify_tokens, t.ladder, t.compact, park=park,
-                                                    expect_after=self.payback.expected(max_tokens, t.verify_tokens))
+                                                    t.verify_tokens, t.ladder, t.compact, park=park)
         room = None if t.on_full != "evict" else (lambda: self._answer_room(dec, reserve, start, t))
         sampler = self._sampler(sampling)
         loop = AnswerLoop(ctx, self.model, self.conv, sampler, max_tokens, self.room.pos_limit,
@@ -605,7 +609,7 @@ class Engine:
             yield from loop
             if check is not None and dec.verify_m is not None:  # the check ran: its verdict counts
                 self.backoff.record(dec.evicted, start)
-            if check is not None and loop.finish != "interrupted":
+            if t.park and t.verifies and loop.finish != "interrupted":
                 self.payback.record(len(loop.out), t.verify_tokens)
         finally:
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind

@@ -29,11 +29,10 @@ class SelfCheck:
     tokens after the check, and the next message chooses again anyway."""
 
     def __init__(self, ctx, pipeline: Pipeline, dec: Decision, plan: tuple, rule: str, threshold: float, cap: int,
-                 ladder, compact: bool, park=None, expect_after: int | None = None):
+                 ladder, compact: bool, park=None):
         self.ctx, self.pipeline, self.dec, self.plan = ctx, pipeline, dec, plan
         self.rule, self.threshold, self.cap, self.ladder, self.compact = rule, threshold, cap, ladder, compact
         self.park = park
-        self.expect_after = expect_after  # with park: the answer tokens expected after the cap (Payback.expected)
 
     def __call__(self, out: list[int], full_logits: list[np.ndarray], end: int | None = None,
                  until: str = "end") -> None:
@@ -54,14 +53,6 @@ class SelfCheck:
             dec.check_unneeded = m
             dec.reason += (f"; no check: the answer was over within the check's {self.cap} tokens ({m}), so nothing "
                            "was left to speed up (the next message chooses again from every cell)")
-            return
-        if self.park is not None and self.expect_after is not None and self.expect_after < Payback.tokens(self.cap):
-            # parking, at the cap, and the answer is not expected to go on long enough for the parked cache to
-            # pay back what the check costs (its forced tokens): the full cache goes on, unchecked
-            dec.check_unpaid = self.expect_after
-            dec.reason += (f"; no check at the cap: about {self.expect_after} more answer tokens were expected "
-                           f"(this request's max_tokens and this conversation's earlier answers), fewer than the "
-                           f"{Payback.tokens(self.cap)} a parked cache needs to pay back a check of {m}")
             return
         t0 = time.perf_counter()
         dec.verify_threshold, dec.verify_rule = self.threshold, self.rule
@@ -157,6 +148,16 @@ def plan_labels(keeps, ladder, T: int) -> list[str]:
         else:
             names.setdefault(b, str(r))
     return [names.get(b, str(b)) for b, _ in keeps]
+
+
+def unpaid(dec: Decision, cap: int, expected: int) -> None:
+    """Record on dec that parking prepares no check this turn: about `expected` answer tokens are expected after
+    the cap (Payback.expected), too few for the parked cache to pay back the check's forced tokens; the full cache
+    answers, unchecked."""
+    dec.check_unpaid = expected
+    dec.reason += (f"; no check at the cap: about {expected} more answer tokens were expected (this request's "
+                   f"max_tokens and this conversation's earlier answers), fewer than the {Payback.tokens(cap)} a "
+                   f"parked cache needs to pay back a check of {cap}")
 
 
 class Payback:
