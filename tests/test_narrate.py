@@ -157,7 +157,7 @@ def test_budget_search_is_told_by_its_rungs():
 
 def test_a_conversation_below_park_from_says_why_the_full_cache_was_kept():
     d = decision(T=713, open=True, D=0.1, gate_mode="verify", park_from=2048)
-    assert narrate.status(d) == "full cache kept: 713 tokens, fewer than 2048, where setting tokens aside does not pay"
+    assert narrate.status(d) == "full cache kept: 713 tokens (setting tokens aside pays from 2048)"
 
 
 def test_a_resting_check_says_so():

@@ -57,7 +57,7 @@ def command() -> tuple[str, list[str]]:
 class Chat:
     """One `page-local chat` process on a pty; every method waits for what it needs to see."""
 
-    def __init__(self, home: Path, log: list[str]):
+    def __init__(self, home: Path, log: list[str], args: tuple[str, ...] = ()):
         env = {k: v for k, v in os.environ.items() if k != "PAGE_LOCAL_MODEL"}
         env.update(PAGE_LOCAL_HOME=str(home), TERM="xterm", COLUMNS="250", LINES="60",
                    # a pty answers no cursor-position request: without this prompt_toolkit waits
@@ -67,7 +67,7 @@ class Chat:
         try:
             # a user's terminal starts the REPL with SIGINT at its default; a process that inherits an
             # ignored SIGINT (exec keeps SIG_IGN) never sees Ctrl-C, so the child starts as from a shell
-            self.child = pexpect.spawn(exe, pre + ARGS, env=env, encoding="utf-8", codec_errors="replace",
+            self.child = pexpect.spawn(exe, pre + ARGS + list(args), env=env, encoding="utf-8", codec_errors="replace",
                                        timeout=TIMEOUT, dimensions=(60, 250),
                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         except (OSError, pexpect.ExceptionPexpect) as e:
@@ -111,12 +111,13 @@ class Chat:
 
 @pytest.fixture
 def chat(smollm2_path, tmp_path):
-    """start() -> a Chat on a fresh process; all of them share tmp_path as PAGE_LOCAL_HOME."""
+    """start(*args) -> a Chat on a fresh process (args: more options); all of them share tmp_path as
+    PAGE_LOCAL_HOME."""
     made: list[Chat] = []
     log: list[str] = []
 
-    def start() -> Chat:
-        c = Chat(tmp_path, log)
+    def start(*args: str) -> Chat:
+        c = Chat(tmp_path, log, args)
         made.append(c)
         return c
 
@@ -134,7 +135,7 @@ def status_line(out: str) -> str:
     assert lines, f"no status line in {out!r}"
     line = lines[-1]
     assert re.search(r"^(evicted to \d+ of \d+|verify refused: full cache of \d+ kept|full cache kept: \d+ tokens, within the speed budget of \d+"
-                     r"|not verified \(.*\): full cache of \d+ kept).* · [\d.]+ tok/s · \d+/2048 cells", line), line
+                     r"|full cache kept: \d+ tokens \(setting tokens aside pays from \d+\)|not verified \(.*\): full cache of \d+ kept).* · [\d.]+ tok/s · \d+/2048 cells", line), line
     return line
 
 
@@ -169,6 +170,7 @@ def test_chat_through_a_pty(chat, tmp_path):
     banner = plain(c.banner)
     assert "page-local chat" in banner and "n_ctx 2048" in banner and "max-tokens 24" in banner, banner
     assert "Esc+Enter" in banner  # the terminal hint: stdin and stdout are a tty, prompt_toolkit reads
+    assert "budget 0.25 (set aside from 2048 cells)" in banner, banner  # chat's default: parking (SmolLM2's park_from)
 
     # a message: streamed text, then the status line
     out = c.ask("What is the capital of France?")
@@ -235,7 +237,7 @@ def test_chat_through_a_pty(chat, tmp_path):
     out = c2.ask("/stats")
     assert "No turn yet" in out
     out = c2.ask(f"/load {conv}")
-    assert re.search(r"Loaded 4 messages; budget 1\.0 · evictor snapkv-spans · gate verify · verify-tokens 64 · "
+    assert re.search(r"Loaded 4 messages; budget 0\.25 \(set aside from 2048 cells\) · evictor snapkv-spans · gate verify · verify-tokens 64 · "
                      r"on-full evict · temperature 0 · max-tokens 24", out), out
     out = c2.ask("/stats")  # a re-prefill is no turn: no decision to show, the cells it holds
     assert "No turn yet" in out and "re-prefilled since" in out, out
@@ -265,7 +267,7 @@ def test_an_evicted_chat_saved_and_loaded_in_a_new_process_continues_identically
     saved = tmp_path / "evicted chat.chat"  # a space: the whole rest of the line is the path
     question = "And which colour is item 9?"
 
-    c = chat()
+    c = chat("--no-park")  # evicted for good: the cells left are what the file must carry
     for line in ("/set gate always", "/set budget 64", "/set verify-tokens 16", "/set on-full refuse"):
         c.ask(line)
     out = c.ask(f"/read {doc} Which colour is item 4?")
@@ -277,7 +279,7 @@ def test_an_evicted_chat_saved_and_loaded_in_a_new_process_continues_identically
     assert first[1].startswith("evicted to 64 of "), first  # the continuation evicted again
     assert c.exit() == 0
 
-    c2 = chat()  # started with the default settings: they come back from the file
+    c2 = chat("--no-park")  # the other settings are the defaults: they come back from the file
     out = c2.ask(f"/load {saved}")
     assert re.search(r"Loaded 2 messages and their KV cache \(\d+ cells, as saved\); budget 64 · evictor snapkv-spans · "
                      r"gate always · verify-tokens 16 · on-full refuse · temperature 0 · max-tokens 24", out), out

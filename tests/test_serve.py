@@ -51,7 +51,10 @@ MAX_TOKENS_LIMIT = 400
 # says the same of its cache_prompt. The other serve modules run the default path (flash attention on).
 SERVER_ARGS = ["--n-ctx", str(N_CTX), "--threads", "1", "--parallel", "1", "--queue", "1", "--gate", "never",
                "--max-body-kb", "64", "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--cache-mb", "64",
-               "--flash-attn", "off"]
+               "--flash-attn", "off",
+               # the speed budget evicts for good (serve's default parks, from 2048 cells: test_web_ui's parking
+               # server): these tests follow an evicted conversation through the slot's reuse and snapshots
+               "--no-park"]
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
 # long enough for the verify gate to build an evicted candidate (T > B = max(40, T / 4))
 PASSAGE = ("The harbour town of Elmsford has three bridges. The oldest, the Miller Bridge, was built in 1821 "
@@ -143,7 +146,9 @@ def sse_frames(text: str) -> list[str]:
 def test_models_list(client, server):
     ids = [m.id for m in client.models.list()]
     assert ids == ["smollm2"]
-    assert client.models.retrieve("smollm2").id == "smollm2"
+    m = client.models.retrieve("smollm2")
+    assert m.id == "smollm2"
+    assert m.page_local["budget"] == 0.25 and m.page_local["park"] is False  # the server's --no-park, said
     assert server["health_seen"][-1] == 200 and set(server["health_seen"]) <= {200, 503}
 
 
@@ -300,8 +305,8 @@ def test_per_request_settings_do_not_stick(client, http):
     assert ext(r)["decision"]["evictor"] == "knorm"
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0)
     assert ext(r)["settings"]["gate"] == "never" and ext(r)["settings"]["evictor"] == defaults.CHAT_EVICTOR
-    # the server's default budget is chat's: no eviction for speed, only room on demand
-    assert ext(r)["settings"]["budget"] == defaults.CHAT_BUDGET == 1.0
+    # the server's default budget is chat's (here evicting for good: --no-park)
+    assert ext(r)["settings"]["budget"] == defaults.CHAT_BUDGET == 0.25 and ext(r)["settings"]["park"] is False
     # gate and evictor are set together: lorekv-answer needs a gate that has the answer before evicting
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4, temperature=0,
                                        extra_body={"page_local": {"gate": "search", "evictor": "lorekv-answer"}})

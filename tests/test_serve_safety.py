@@ -53,6 +53,7 @@ def server(smollm2_path, tmp_path_factory):
     port = free_port()
     proc = start_server(port, "--model", str(smollm2_path), "--n-ctx", "512", "--threads", "1", "--parallel", "1",
                         "--queue", "1", "--gate", "never", "--max-body-kb", "256", "--cache-mb", "32",
+                        "--no-park",  # a request's gate and budget evict for good: the slot's bookkeeping follows
                         "--api-key-file", str(keys), "--allow-host", OTHER_NAME, "--cors-origin", ALLOWED_ORIGIN,
                         key=KEYS[0])
     try:

@@ -112,7 +112,8 @@ pytest.importorskip("sse_starlette", reason="the [serve] extra is not installed"
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    yield from _serve(smollm2_path, "--n-ctx", str(N_CTX), "--gate", "never")
+    # --no-park: a chat's own budget evicts for good at once (the parking server below sets tokens aside)
+    yield from _serve(smollm2_path, "--n-ctx", str(N_CTX), "--gate", "never", "--no-park")
 
 
 def _serve(smollm2_path, *args: str):

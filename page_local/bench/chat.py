@@ -1,9 +1,9 @@
 """`page-local bench chat`: time to first token and tokens/s per turn of a chat that outgrows n_ctx,
 page-local beside the full cache, measured side by side in one run.
 
-page-local is the Engine as `page-local chat` gives it (no eviction for speed, defaults.CHAT_BUDGET;
-room on demand at the wall; `budget` sets a speed budget instead, under the verify gate; `park`: that budget
-parks cells, engine/parking.py) in a context of n_ctx; the full cache is a ChatSession on a context large enough for the
+page-local is the Engine as `page-local chat` gives it (defaults.CHAT_BUDGET under the verify gate, parking
+cells, engine/parking.py, defaults.CHAT_PARK; room on demand at the wall; budget 1.0: no eviction for speed;
+park False: the budget evicts for good) in a context of n_ctx; the full cache is a ChatSession on a context large enough for the
 whole chat (capped at the model's trained context: past it the full cache no longer fits, and the
 later turns are page-local's alone). Every turn is sent to both chats, one after the other, in an
 order that alternates from turn to turn and from repeat to repeat; per turn the medians over the
@@ -108,7 +108,8 @@ def _stock_chat(bin_dir, model_path, messages: list[str], n_ctx: int, gen: int, 
 def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 3.0, gen: int = 32,
                repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
                budget: float | int = defaults.CHAT_BUDGET, peer_bin=None, rpc=None, attention_settings=None,
-               park: bool = False, park_from: int | None = None, evictor: str = defaults.CHAT_EVICTOR) -> dict:
+               park: bool = defaults.CHAT_PARK, park_from: int | None = None,
+               evictor: str = defaults.CHAT_EVICTOR) -> dict:
     """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache, and
     stock llama-server when built (peer_bin, else bench/stock.find_bin's default). n_gpu_layers, rpc,
     attention_settings: as Engine's, for both engines."""

@@ -245,8 +245,8 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
 @click.option("--gen", default=32, show_default=True, type=click.IntRange(min=1), help="Greedy answer tokens, at most.")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--budget", default=str(defaults.CHAT_BUDGET), show_default=True, type=BudgetType(),
-              help="page-local's speed budget (1.0, chat's default: room on demand only).")
-@click.option("--park/--no-park", default=False, show_default=True,
+              help="page-local's speed budget, chat's default (1.0: room on demand only).")
+@click.option("--park/--no-park", default=defaults.CHAT_PARK, show_default=True,
               help="The speed budget parks cells (each message chooses again) instead of evicting them for good.")
 @click.option("--park-from", default=None, type=click.IntRange(min=0),
               help="With --park: below this many cells the full cache is kept (default: the engine's).")

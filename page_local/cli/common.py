@@ -115,7 +115,7 @@ def budget_option(f, default=defaults.BUDGET):
     return click.option("--budget", default=str(default), show_default=True, type=BudgetType(),
                         help="Kept positions when the cache is evicted: a ratio (0.25) or a count (1024)."
                         + (" 1.0: no eviction for speed, only to make room when the context is full."
-                           if default == 1.0 else ""))(f)
+                           if default == defaults.CHAT_BUDGET else ""))(f)
 
 
 def evictor_option(f, default: str = defaults.EVICTOR):
@@ -270,7 +270,7 @@ def chat_engine_options(f):
     f = click.option("--park/--no-park", default=defaults.CHAT_PARK, show_default=True,
                      help="The speed budget sets cells aside instead of deleting them: they stay in memory, out of "
                           "the attention, and come back before each message, which chooses again "
-                          "(page_local/engine/parking.py).")(f)
+                          "(page_local/engine/parking.py). --no-park: the budget evicts for good.")(f)
     f = click.option("--park-from", "park_from", default=None, type=click.IntRange(min=0),
                      help="With --park: below this many cells the full cache is kept, where setting tokens aside "
                           "does not pay (default: from the model, where the cells' K and V weigh half its weights: 2048 "

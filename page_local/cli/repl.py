@@ -285,8 +285,11 @@ class Repl:
                 "on_full": e.on_full, "temperature": self.sampling.temperature, "max_tokens": self.max_tokens}
 
     def _settings_line(self) -> str:
-        s = self.settings()
-        return (f"budget {s['budget']} · evictor {s['evictor']} · gate {s['gate']} · "
+        s, e = self.settings(), self.engine
+        budget = f"budget {s['budget']}"
+        if getattr(e, "park", False) and s["budget"] != 1:  # parking (engine/parking.py), from park_from cells
+            budget += f" (set aside from {e.park_from} cells)"
+        return (f"{budget} · evictor {s['evictor']} · gate {s['gate']} · "
                 f"verify-tokens {s['verify_tokens']} · on-full {s['on_full']} · "
                 f"temperature {s['temperature']:g} · max-tokens {s['max_tokens']}")
 

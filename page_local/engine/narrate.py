@@ -111,7 +111,7 @@ def _turn_status(d: Decision) -> str:
         return f"search refused every budget ({tried}): {full}"
     verify = d.gate_mode in VERIFY_MODES
     if d.park_from is not None:
-        return f"full cache kept: {d.T} tokens, fewer than {d.park_from}, where setting tokens aside does not pay"
+        return f"full cache kept: {d.T} tokens (setting tokens aside pays from {d.park_from})"
     if d.check_rested is not None:
         return f"full cache kept: {d.T} tokens, unchecked (the last {d.check_rested} checks were refused)"
     if d.check_unneeded is not None:

@@ -208,7 +208,8 @@ def routes(backend):
             "bos_token": lm.token_get_text(lm.token_bos()) if lm.token_bos() >= 0 else "",
             "eos_token": lm.token_get_text(lm.token_eos()) if lm.token_eos() >= 0 else "",
             "modalities": {"vision": False, "audio": False}, "is_sleeping": False,
-            "build_info": "page-local", "page_local": {"gate": s.gate, "budget": s.budget, "evictor": s.evictor}})
+            "build_info": "page-local", "page_local": {"gate": s.gate, "budget": s.budget, "park": s.park,
+                                                          "evictor": s.evictor}})
 
     return [Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
             Route("/embeddings", embeddings, methods=["POST"]), Route("/v1/embeddings", embeddings, methods=["POST"]),

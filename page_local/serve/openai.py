@@ -44,7 +44,7 @@ def routes(backend) -> list:
     def model_card() -> dict:
         return {"id": s.served_name, "object": "model", "created": backend.loaded_at, "owned_by": "page-local",
                 "page_local": {"file": s.model_path.name, "n_ctx": s.n_ctx, "gate": s.gate, "budget": s.budget,
-                               "evictor": s.evictor, "parallel": s.parallel}}
+                               "park": s.park, "evictor": s.evictor, "parallel": s.parallel}}
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [model_card()]})

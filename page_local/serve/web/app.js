@@ -155,7 +155,7 @@ async function loadServer() {
     notice(`The server did not answer: ${e.message}`);
   }
   const pl = server?.page_local;
-  $("server-name").textContent = server ? `${server.id} · n_ctx ${pl?.n_ctx} · gate ${pl?.gate} · budget ${pl?.budget} · ${pl?.evictor}` : "";
+  $("server-name").textContent = server ? `${server.id} · n_ctx ${pl?.n_ctx} · gate ${pl?.gate} · budget ${pl?.budget}${pl?.park && pl?.budget != 1 ? " set aside" : ""} · ${pl?.evictor}` : "";
   fillOptions();
   showSettings();
 }
