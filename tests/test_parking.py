@@ -126,6 +126,31 @@ def test_the_wall_lets_parked_cells_go_first(smollm2_path):
         assert eng.cells_used() + eng.parking.count() <= 1024
 
 
+def test_parking_switched_off_brings_every_cell_back_at_once(smollm2_path):
+    """set_park(False) (the REPL's /set park off) with cells set aside: no message would bring them back any more,
+    so they come back now, in position order, and the next turn answers as it does when its message brings them
+    back (the cache is the same, cell for cell)."""
+    msg, q = FILL * 20 + "Say hello.", "What colour is the sky?"
+    answers = []
+    for switch_off in (False, True):
+        eng = Engine(smollm2_path, n_ctx=1024, budget=0.25, gate="always", threads=THREADS, autotune=False,
+                     park=True, park_from=0)
+        with eng:
+            s = ChatSession(eng)
+            say(s, msg, max_tokens=4)
+            parked, held = eng.parking.count(), eng.cells_used()
+            assert parked > 300
+            if switch_off:
+                eng.set_park(False, eng.park_from)
+                assert eng.parking.count() == 0 and len(eng.parking.positions()) == 0
+                assert eng.cells_used() == held + parked == len(eng.history)  # every cell attended again
+            eng.set_budget(1.0)
+            answer, dec = say(s, q, max_tokens=8)
+            assert dec.restored == (0 if switch_off else parked) and not dec.evicted
+            answers.append(answer)
+    assert answers[0] == answers[1]
+
+
 def test_below_park_from_the_full_cache_is_kept(smollm2_path):
     eng = Engine(smollm2_path, n_ctx=1024, budget=0.25, gate="always", threads=THREADS, autotune=False, park=True,
                  park_from=2048)

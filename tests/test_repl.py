@@ -102,10 +102,10 @@ def test_status_says_how_the_answer_ended(fake, finish, tail):
 @pytest.mark.parametrize("key,value", [
     ("budget", "2"), ("budget", "1.5"), ("budget", "lots"), ("evictor", "nope"), ("gate", "sometimes"),
     ("verify-tokens", "0"), ("verify-tokens", "300"), ("verify-tokens", "many"), ("on-full", "shrug"),
-    ("temperature", "9"), ("temperature", "hot"), ("max-tokens", "0"), ("colour", "red"),
+    ("temperature", "9"), ("temperature", "hot"), ("max-tokens", "0"), ("colour", "red"), ("park", "maybe"),
 ], ids=["budget-too-small", "budget-ratio>1", "budget-text", "evictor", "gate", "verify-tokens-0",
         "verify-tokens-300", "verify-tokens-text", "on-full", "temperature", "temperature-text", "max-tokens",
-        "unknown-key"])
+        "unknown-key", "park"])
 def test_set_invalid_changes_nothing(fake, key, value):
     repl, _, out = fake()
     before = repl.settings()
@@ -120,11 +120,11 @@ def test_set_valid_values(fake):
     for line in ("/set budget 1024", "/set budget 0.5", "/set evictor streamingllm", "/set gate page+verify",
                  "/set verify-tokens 16", "/set on-full refuse", "/set temperature 0.7", "/set max-tokens 4"):
         repl.handle(line)
-    assert repl.settings() == {"budget": 0.5, "evictor": "streamingllm", "gate": "page+verify",
+    assert repl.settings() == {"budget": 0.5, "park": False, "evictor": "streamingllm", "gate": "page+verify",
                                "verify_tokens": 16, "on_full": "refuse", "temperature": 0.7, "max_tokens": 4}
     assert (eng.verify_tokens, eng.verify_threshold, eng.verify_rule) == (16, 0.5, "argmax")  # only the count
     assert "nothing changed" not in out()
-    assert last_line(out()) == ("budget 0.5 · evictor streamingllm · gate page+verify · verify-tokens 16 · "
+    assert last_line(out()) == ("budget 0.5 (deleted for good) · evictor streamingllm · gate page+verify · verify-tokens 16 · "
                                 "on-full refuse · temperature 0.7 · max-tokens 4 (from the next turn)")
     eng.enqueue(["x"] * 6)
     repl.handle("Go.")
@@ -172,7 +172,7 @@ def test_save_clear_load_roundtrip(fake, tmp_path):
     repl.session.system = None
     assert repl.session.messages == [] and repl.decision is None
     repl.handle(f"/load {f}")
-    assert last_line(out()) == ("Loaded 2 messages; budget 0.5 · evictor snapkv · gate never · verify-tokens 16 · "
+    assert last_line(out()) == ("Loaded 2 messages; budget 0.5 (deleted for good) · evictor snapkv · gate never · verify-tokens 16 · "
                                 "on-full refuse · temperature 0 · max-tokens 8")
     assert [(m.role, m.content) for m in repl.session.messages] == saved
     assert repl.session.system == "You are terse."
@@ -277,7 +277,7 @@ def test_an_evicted_chat_is_saved_with_its_cache_and_loaded_as_saved(fake, tmp_p
     repl.handle("/set gate page")
     repl.handle("/set verify-tokens 64")
     repl.handle(f"/load {f}")
-    assert last_line(out()) == ("Loaded 2 messages and their KV cache (62 cells, as saved); budget 0.25 · evictor "
+    assert last_line(out()) == ("Loaded 2 messages and their KV cache (62 cells, as saved); budget 0.25 (deleted for good) · evictor "
                                 "snapkv · gate always · verify-tokens 16 · on-full evict · temperature 0 · "
                                 "max-tokens 8")
     assert repl.session.replays == [] and eng.cells_used() == 62  # restored, not re-prefilled
@@ -465,7 +465,7 @@ def test_banner(fake):
     eng.profile_warning = "the profile is stale"
     repl.banner(multiline_hint=False)
     first = out().splitlines()[0]
-    assert first == ("page-local chat · fake-model.gguf · n_ctx 2048 · layers and KV cache on CPU · budget 0.25 · "
+    assert first == ("page-local chat · fake-model.gguf · n_ctx 2048 · layers and KV cache on CPU · budget 0.25 (deleted for good) · "
                      "evictor snapkv · gate verify · verify-tokens 64 · on-full evict · temperature 0 · "
                      "max-tokens 8")
     assert "a trailing \\ continues a line" in out() and "Esc+Enter" not in out()

@@ -279,9 +279,10 @@ def test_an_evicted_chat_saved_and_loaded_in_a_new_process_continues_identically
     assert first[1].startswith("evicted to 64 of "), first  # the continuation evicted again
     assert c.exit() == 0
 
-    c2 = chat("--no-park")  # the other settings are the defaults: they come back from the file
+    c2 = chat()  # started with the default settings: they come back from the file (park off included)
     out = c2.ask(f"/load {saved}")
-    assert re.search(r"Loaded 2 messages and their KV cache \(\d+ cells, as saved\); budget 64 · evictor snapkv-spans · "
+    assert re.search(r"Loaded 2 messages and their KV cache \(\d+ cells, as saved\); budget 64 \(deleted for good\) · "
+                     r"evictor snapkv-spans · "
                      r"gate always · verify-tokens 16 · on-full refuse · temperature 0 · max-tokens 24", out), out
     assert f"KV cache ({held} cells, as saved)" in out, (held, out)  # the cache as the first process held it
     assert answer(c2.ask(question)) == first  # the same tokens, and the same eviction on the way

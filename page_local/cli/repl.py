@@ -36,7 +36,7 @@ from page_local.native.runtime import describe_placement
 from page_local.store.home import page_local_home
 
 MAX_READ_BYTES = 16 * 1024 * 1024  # /read refuses larger files before reading them
-SETTINGS = ("budget", "evictor", "gate", "verify_tokens", "on_full", "temperature", "max_tokens")
+SETTINGS = ("budget", "park", "evictor", "gate", "verify_tokens", "on_full", "temperature", "max_tokens")
 
 HELP = """\
 Type a message and press Enter. Esc+Enter, or a line ending in \\, continues on a new line.
@@ -45,8 +45,10 @@ Ctrl-C stops an answer (the partial answer stays); Ctrl-C at the prompt clears t
 /help                 this text
 /clear                start a new conversation (drops a pending /read document too)
 /system [TEXT]        set the system prompt (re-prefills the conversation); alone: show it; '-' removes it
-/set [KEY VALUE]      budget (0.25 = ratio, 1024 = cells), evictor, gate (verify|page|page+verify|always|never),
-                      verify-tokens (1-256), on-full (evict|refuse), temperature, max-tokens;
+/set [KEY VALUE]      budget (0.25 = ratio, 1024 = cells; 1.0: the whole conversation attended), park (on: the
+                      budget sets cells aside, each message chooses again; off: it deletes them), evictor,
+                      gate (verify|page|page+verify|always|never), verify-tokens (1-256), on-full (evict|refuse),
+                      temperature, max-tokens;
                       alone: show the settings. They apply from the next turn.
 /why (or /gate)       what happened to the cache on the last turn, and why, in plain words
 /stats                the last turn's decision in full, with timings
@@ -281,14 +283,15 @@ class Repl:
     def settings(self) -> dict:
         """The settings that /save writes and /load restores."""
         e = self.engine
-        return {"budget": e.budget, "evictor": e.evictor, "gate": e.gate_mode, "verify_tokens": e.verify_tokens,
-                "on_full": e.on_full, "temperature": self.sampling.temperature, "max_tokens": self.max_tokens}
+        return {"budget": e.budget, "park": bool(getattr(e, "park", False)), "evictor": e.evictor,
+                "gate": e.gate_mode, "verify_tokens": e.verify_tokens, "on_full": e.on_full,
+                "temperature": self.sampling.temperature, "max_tokens": self.max_tokens}
 
     def _settings_line(self) -> str:
         s, e = self.settings(), self.engine
         budget = f"budget {s['budget']}"
-        if getattr(e, "park", False) and s["budget"] != 1:  # parking (engine/parking.py), from park_from cells
-            budget += f" (set aside from {e.park_from} cells)"
+        if s["budget"] != 1:  # parking (engine/parking.py) from park_from cells, or eviction for good
+            budget += f" (set aside from {e.park_from} cells)" if s["park"] else " (deleted for good)"
         return (f"{budget} · evictor {s['evictor']} · gate {s['gate']} · "
                 f"verify-tokens {s['verify_tokens']} · on-full {s['on_full']} · "
                 f"temperature {s['temperature']:g} · max-tokens {s['max_tokens']}")
@@ -300,6 +303,13 @@ class Repl:
             self.engine.set_budget(parse_budget(value) if isinstance(value, str) else value)
         elif key == "evictor":
             self.engine.set_evictor(str(value))
+        elif key == "park":
+            on = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False,
+                  "no": False}.get(str(value).strip().lower()) if not isinstance(value, bool) else value
+            if on is None:
+                raise ValueError(f"park must be on or off, got {value!r}")
+            if on != bool(getattr(self.engine, "park", False)):
+                self.engine.set_park(on, self.engine.park_from)
         elif key == "gate":
             self.engine.set_gate(str(value))
         elif key == "verify_tokens":

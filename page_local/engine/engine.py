@@ -190,6 +190,9 @@ class Engine:
         default, default_park_from)."""
         if park_from is not None and (isinstance(park_from, bool) or not isinstance(park_from, int) or park_from < 0):
             raise ValueError(f"park_from must be an int >= 0, got {park_from!r}")
+        if not park and getattr(self, "parking", None) is not None and self.parking.count():
+            with self._busy():  # no message would bring them back any more: the conversation whole again, now
+                self.parking.unpark(self.conv, 0)
         self.park = bool(park)
         self.park_from = park_from if park_from is not None or getattr(self, "ctx", None) is None \
             else self.default_park_from()
