@@ -107,6 +107,10 @@ def test_a_parked_chat_continues_identically_after_load(smollm2_path, tmp_path):
         assert eng2.parking.count() == len(parked)
         got = turn(s2, 2)
         assert got[0] == want[0] and got[1].restored == want[1].restored
+    eng3, s3 = chat(smollm2_path, budget=0.25, park=False)  # an engine that does not park: every cell attended
+    with eng3:
+        s3.load(f)
+        assert eng3.parking.count() == 0 and eng3.cells_used() == len(held) + len(parked) == len(eng3.history)
 
 
 def test_the_wall_lets_parked_cells_go_first(smollm2_path):

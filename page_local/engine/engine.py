@@ -347,6 +347,8 @@ class Engine:
             self.conv = Transcript(list(snap.history), _positions(snap),
                                    None if len(snap.positions) < len(snap.history) else set())
             self.payback.after = list(snap.answers_after)[-Payback.RECENT:]
+            if not self.park and self.parking.count():  # set aside by a parking engine: no message here brings
+                self.parking.unpark(self.conv, 0)  # them back, so they come back now
             return
         self.reset()
         if before is not None:  # put the conversation back as it was
