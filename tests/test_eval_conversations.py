@@ -74,6 +74,11 @@ def test_a_summaries_run_keeps_its_rows_apart(smollm2_path, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r.get("summaries") for r in rows] == [None, None, True, True]
     assert cv.run_conversations(smollm2_path, summaries=True, **kw)["rows_written"] == 0  # resumed
+    # a shorter check's span: rows of their own (not taken for the default span's)
+    res = cv.run_conversations(smollm2_path, summaries=True, verify_tokens=16, **kw)
+    assert res["rows_written"] == 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("verify_tokens") for r in rows] == [None, None, None, None, 16, 16]
 
 
 # --- a tiny run on SmolLM2 ---------------------------------------------------------------------------

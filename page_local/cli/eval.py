@@ -216,6 +216,9 @@ def eval_report(results, out_dir, profile, as_json):
 @click.option("--summaries", is_flag=True,
               help="A turn that pastes a document asks for its summary instead (a long answer: give --max-tokens "
                    "above the check's 64); the later turns' questions stay short: they are what it measures.")
+@click.option("--verify-tokens", "verify_tokens", default=None, type=click.IntRange(1, 256),
+              help="The check's span (default: the engine's, 64). Shorter: more long answers pass their check and go "
+                   "on over a parked cache, what the later questions then read.")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False),
               help="Results JSONL (appended to and resumed; default results/conversations-<model>-<n_ctx>.jsonl).")
 @click.option("--report-dir", "report_dir", default=None, type=click.Path(file_okay=False),
@@ -223,7 +226,8 @@ def eval_report(results, out_dir, profile, as_json):
 @threads_option
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @load_options
-def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, evictor, max_tokens, seed, summaries, out,
+def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, evictor, max_tokens, seed, summaries,
+                       verify_tokens, out,
                        report_dir, threads, quiet, n_gpu_layers, rpc, attention_settings, allow_long_context):
     """Multi-turn chats over long documents at 1x, 2x and 4x n_ctx: the full cache, page-local, llama.cpp's
     context shift and Ollama's truncation on the same conversations; then the report (run it again to resume)."""
@@ -253,7 +257,7 @@ def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, evicto
                                     budget=budget, evictor=evictor, max_tokens=max_tokens, seed=seed, threads=threads, out=out,
                                     progress=bar, n_gpu_layers=n_gpu_layers, rpc=rpc,
                                     attention_settings=attention_settings, allow_long_context=allow_long_context,
-                                    summaries=summaries)
+                                    summaries=summaries, verify_tokens=verify_tokens)
     except KeyboardInterrupt:
         fail(f"interrupted; finished conversations are in {out} (run the same command again to resume)", 1)
     with one_line_errors():

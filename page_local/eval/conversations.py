@@ -79,7 +79,7 @@ NEEDLES_PER_DOC = 3
 FILL = 0.9  # the conversation's planned tokens, as a fraction of length x n_ctx
 OLLAMA_NUM_KEEP = 4
 KEY_FIELDS = ("model", "conversation", "length", "turn", "turns", "n_ctx", "policy", "budget", "evictor", "max_tokens",
-              "seed", "summaries")
+              "seed", "summaries", "verify_tokens")
 INTRO = "Read this document. I will ask you about the special magic numbers in it.\n\n"
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 # summaries: a turn that pastes a document asks for its summary instead of a number (a long answer, whose tokens
@@ -401,11 +401,12 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
                       out: str | os.PathLike | None = None,
                       progress: Callable[[int, int], None] | None = None, n_gpu_layers=None,
                       allow_long_context: bool = False, rpc=None, attention_settings=None,
-                      summaries: bool = False) -> dict:
+                      summaries: bool = False, verify_tokens: int | None = None) -> dict:
     """Every conversation at every length under every policy, side by side (one conversation's
     policies run one after the other); rows appended to `out`, a re-run resumes. The full cache's
     context holds the longest conversation: max(lengths) x n_ctx and the answers. n_gpu_layers, rpc,
-    attention_settings, allow_long_context: as Engine's."""
+    attention_settings, allow_long_context: as Engine's. verify_tokens: the check's span (None: the engine's,
+    64); a shorter one lets more long answers pass and go on over a parked cache."""
     from page_local.store.gguf import gguf_metadata, model_identity
 
     bad = [p for p in policies if p not in ALL_POLICIES]
@@ -423,6 +424,8 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
         base["evictor"] = evictor
     if summaries:  # likewise: rows of short-answer chats carry no field
         base["summaries"] = True
+    if verify_tokens is not None:  # likewise: rows checked over the engine's default span carry no field
+        base["verify_tokens"] = verify_tokens
     present = {_key(r) for r in read_rows(out, repair=True)}
     todo = [(c, float(L), p) for c in range(n) for L in lengths for p in policies
             if any(_key(dict(base, conversation=c, length=float(L), turn=t, policy=p)) not in present
@@ -442,7 +445,8 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
                 kind = "full" if policy == "full" else "small"
                 if kind not in engines:
                     engines[kind] = Engine(model_path, n_ctx=full_ctx if kind == "full" else n_ctx, budget=budget,
-                                           evictor=evictor,
+                                           evictor=evictor, **({} if verify_tokens is None
+                                                               else {"verify_tokens": verify_tokens}),
                                            threads=threads, n_gpu_layers=n_gpu_layers, rpc=rpc,
                                            attention_settings=attention_settings,
                                            allow_long_context=allow_long_context)
