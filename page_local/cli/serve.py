@@ -174,8 +174,12 @@ def serve_cmd(model, reread, park, park_from, budget, evictor, gate, verify_toke
             return
         for w in backend.warnings:
             click.echo(f"warning: {w}", err=True)
+        eng = backend.slots[0].engine if backend.slots else None
+        said_budget = f"budget {budget}"
+        if eng is not None and str(budget) not in ("1", "1.0"):  # what the speed budget does with what it leaves out
+            said_budget += f" (set aside from {eng.park_from} cells)" if eng.park else " (deleted for good)"
         click.echo(f"page-local serve: ready: {parallel} slot{'s' if parallel > 1 else ''}, n_ctx {n_ctx}, "
-                   f"gate {gate}, budget {budget}, evictor {evictor}, on full: {on_full}, {said_keys}", err=True)
+                   f"gate {gate}, {said_budget}, evictor {evictor}, on full: {on_full}, {said_keys}", err=True)
         page = "127.0.0.1" if host in ("0.0.0.0", "::", "") else shown  # (a wildcard bind: this machine's own)
         click.echo(f"page-local serve: the web UI is at http://{page}:{port}/", err=True)
 
