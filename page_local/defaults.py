@@ -23,6 +23,8 @@ THREADS = 2
 MAX_TOKENS = 256
 ON_FULL = "evict"  # a turn that does not fit evicts earlier turns (engine/room.py); "refuse" raises ContextFull
 LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2)  # the budgets gate mode "search" tries, smallest first
+# parking's budget search (eval conversations' park-search): a quarter, else half of the conversation
+PARK_LADDER = (1 / 4, 1 / 2)
 # the attention path and KV cache type (engine/attention.py): "auto" is page-local's measured choice
 FLASH_ATTN = ("auto", "on", "off")
 CACHE_TYPES = ("f16", "q8_0", "q4_0")

@@ -153,6 +153,15 @@ def test_budget_search_is_told_by_its_rungs():
                               verify_m=9, verify_rule="argmax", verify_score=0.0, verify_threshold=0.0,
                               search=rungs[:2] + [dict(rungs[2], score=None, passed=None)])
     assert narrate.status(smallest_first) == "kept 1/8: 80 of 640 (passed 1/8; 1/16 failed; 1/4 not needed)"
+    parked = decision(T=640, B=160, kept=160, open=True, evicted=True, gate_mode="search", rule="forced", verify_m=9,
+                      verify_rule="argmax", verify_score=0.0, verify_threshold=0.0, parked=480,
+                      search=[dict(B=160, label="1/4", score=0.0, passed=True),
+                              dict(B=320, label="1/2", score=None, passed=None)])
+    assert narrate.status(parked) == "attending to 160 of 640 tokens (1/4), 480 set aside (passed 1/4; 1/2 not needed)"
+    # a check that could not pay back was not prepared: its rungs say nothing
+    unpaid = decision(T=3000, kept=3000, open=True, gate_mode="search", check_unpaid=40,
+                      search=[dict(B=750, label="1/4", score=None, passed=None)])
+    assert narrate.status(unpaid).startswith("full cache kept: 3000 tokens, unchecked (about 40 answer tokens")
 
 
 def test_a_conversation_below_park_from_says_why_the_full_cache_was_kept():

@@ -98,18 +98,6 @@ def status(d: Decision) -> str:
 def _turn_status(d: Decision) -> str:
     # T is the whole conversation; the cells may hold less when earlier turns were evicted
     full = f"full cache of {d.T} kept" if d.kept >= d.T else f"nothing evicted this turn ({d.kept} of {d.T} held)"
-    if d.search:
-        passed = [r["label"] for r in d.search if r["passed"]]
-        failed = [r["label"] for r in d.search if r["passed"] is False]
-        skipped = [r["label"] for r in d.search if r["passed"] is None]
-        tried = "; ".join(x for x in (f"passed {', '.join(passed)}" if passed else "",
-                                      f"{', '.join(failed)} failed" if failed else "",
-                                      f"{', '.join(skipped)} not needed" if skipped else "") if x)
-        if d.evicted:
-            chosen = next(r["label"] for r in d.search if r["B"] == d.B)
-            return f"kept {chosen}: {d.kept} of {d.T} ({tried})"
-        return f"search refused every budget ({tried}): {full}"
-    verify = d.gate_mode in VERIFY_MODES
     if d.park_from is not None:
         return f"full cache kept: {d.T} tokens (setting tokens aside pays from {d.park_from})"
     if d.check_rested is not None:
@@ -120,6 +108,20 @@ def _turn_status(d: Decision) -> str:
     if d.check_unpaid is not None:
         return (f"full cache kept: {d.T} tokens, unchecked (about {d.check_unpaid} answer tokens expected after the "
                 "check: too few to pay it back)")
+    if d.search:
+        passed = [r["label"] for r in d.search if r["passed"]]
+        failed = [r["label"] for r in d.search if r["passed"] is False]
+        skipped = [r["label"] for r in d.search if r["passed"] is None]
+        tried = "; ".join(x for x in (f"passed {', '.join(passed)}" if passed else "",
+                                      f"{', '.join(failed)} failed" if failed else "",
+                                      f"{', '.join(skipped)} not needed" if skipped else "") if x)
+        if d.evicted:
+            chosen = next(r["label"] for r in d.search if r["B"] == d.B)
+            if d.parked:
+                return f"attending to {d.kept} of {d.T} tokens ({chosen}), {d.parked} set aside ({tried})"
+            return f"kept {chosen}: {d.kept} of {d.T} ({tried})"
+        return f"search refused every budget ({tried}): {full}"
+    verify = d.gate_mode in VERIFY_MODES
     kept = (f"attending to {d.kept} of {d.T} tokens, {d.parked} set aside" if d.parked
             else f"evicted to {d.kept} of {d.T}")
     if verify and d.verify_m:

@@ -22,10 +22,11 @@ from page_local.eval.rows import read_rows
 
 LABEL = {"full": "full cache", "verify": "page-local (verify)", "page": "page-local (PAGE)",
          "park": "page-local (parking, verify)", "room": "page-local (room only)",
-         "always": "evicted every turn, unchecked", "park-always": "parked every turn, unchecked", "room-recent": "room, ranked as before issue 28",
+         "always": "evicted every turn, unchecked", "park-always": "parked every turn, unchecked",
+         "park-search": "page-local (parking, budget search)", "room-recent": "room, ranked as before issue 28",
          "shift": "context shift (llama.cpp)", "truncate": "truncation (Ollama)", "refuse": "400 (llama-server)"}
 STYLE = {"full": ("black", "-"), "verify": ("tab:green", "-"), "page": ("tab:blue", "--"), "park": ("tab:purple", "-"),
-         "always": ("tab:pink", "--"), "park-always": ("tab:cyan", "-"),
+         "always": ("tab:pink", "--"), "park-always": ("tab:cyan", "-"), "park-search": ("tab:green", "--"),
          "room": ("tab:olive", ":"), "room-recent": ("tab:brown", ":"), "shift": ("tab:orange", "-."),
          "truncate": ("tab:red", "--"), "refuse": ("tab:gray", "-")}
 
