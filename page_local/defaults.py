@@ -23,8 +23,13 @@ THREADS = 2
 MAX_TOKENS = 256
 ON_FULL = "evict"  # a turn that does not fit evicts earlier turns (engine/room.py); "refuse" raises ContextFull
 LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2)  # the budgets gate mode "search" tries, smallest first
-# parking's budget search (eval conversations' park-search): a quarter, else half of the conversation
-PARK_LADDER = (1 / 4, 1 / 2)
+# chat and serve: budget search (gate "search") over a quarter, else half of the conversation, parking what it
+# leaves out. On the 7K chat of 256-token answers (docs/benchmarks.md, "Chat's default"): every turn from
+# park_from passed one of the two, 1.12-1.48x the full cache's decode, against one turn in four with verify at a
+# quarter; eval conversations' park-search policy (docs/results.md, "Long answers")
+CHAT_GATE = "search"
+CHAT_LADDER = (1 / 4, 1 / 2)
+PARK_LADDER = CHAT_LADDER  # eval conversations' park-search
 # the attention path and KV cache type (engine/attention.py): "auto" is page-local's measured choice
 FLASH_ATTN = ("auto", "on", "off")
 CACHE_TYPES = ("f16", "q8_0", "q4_0")

@@ -237,7 +237,8 @@ def test_chat_through_a_pty(chat, tmp_path):
     out = c2.ask("/stats")
     assert "No turn yet" in out
     out = c2.ask(f"/load {conv}")
-    assert re.search(r"Loaded 4 messages; budget 0\.25 \(set aside from 2048 cells\) · evictor snapkv-spans · gate verify · verify-tokens 64 · "
+    assert re.search(r"Loaded 4 messages; budget 0\.25 \(set aside from 2048 cells\) · evictor snapkv-spans · gate search over "
+                     r"1/4,1/2 · verify-tokens 64 · "
                      r"on-full evict · temperature 0 · max-tokens 24", out), out
     out = c2.ask("/stats")  # a re-prefill is no turn: no decision to show, the cells it holds
     assert "No turn yet" in out and "re-prefilled since" in out, out

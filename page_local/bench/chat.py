@@ -1,7 +1,7 @@
 """`page-local bench chat`: time to first token and tokens/s per turn of a chat that outgrows n_ctx,
 page-local beside the full cache, measured side by side in one run.
 
-page-local is the Engine as `page-local chat` gives it (defaults.CHAT_BUDGET under the verify gate, parking
+page-local is the Engine as `page-local chat` gives it (defaults.CHAT_BUDGET and CHAT_LADDER under CHAT_GATE, parking
 cells, engine/parking.py, defaults.CHAT_PARK; room on demand at the wall; budget 1.0: no eviction for speed;
 park False: the budget evicts for good) in a context of n_ctx; the full cache is a ChatSession on a context large enough for the
 whole chat (capped at the model's trained context: past it the full cache no longer fits, and the
@@ -109,7 +109,8 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
                repeats: int = 1, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
                budget: float | int = defaults.CHAT_BUDGET, peer_bin=None, rpc=None, attention_settings=None,
                park: bool = defaults.CHAT_PARK, park_from: int | None = None,
-               evictor: str = defaults.CHAT_EVICTOR) -> dict:
+               evictor: str = defaults.CHAT_EVICTOR, gate: str = defaults.CHAT_GATE,
+               ladder=defaults.CHAT_LADDER) -> dict:
     """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache, and
     stock llama-server when built (peer_bin, else bench/stock.find_bin's default). n_gpu_layers, rpc,
     attention_settings: as Engine's, for both engines."""
@@ -128,7 +129,8 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
     parking = dict(park=True) if park else {}
     if park and park_from is not None:
         parking["park_from"] = park_from
-    with Engine(model_path, n_ctx=n_ctx, budget=budget, evictor=evictor, threads=threads, **parking, **load) as pl:
+    with Engine(model_path, n_ctx=n_ctx, budget=budget, evictor=evictor, threads=threads, gate=gate, ladder=ladder,
+                **parking, **load) as pl:
         n_train = pl.model.n_ctx_train
         need = int(outgrow * n_ctx) + turns * (2 * gen + 32) + 256
         full_ctx = min(need, n_train) if n_train > 0 else need
@@ -193,7 +195,7 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
 
     return {
         "bench": "chat", "turns": turns, "n_ctx": n_ctx, "budget": budget, "park": park, "evictor": evictor,
-        "full_n_ctx": full_ctx,
+        "gate": gate, "ladder": list(ladder), "full_n_ctx": full_ctx,
         "outgrow": outgrow, "gen": gen,
         "repeats": repeats, "threads": threads,
         "conversation_tokens": per_turn[-1]["conversation_tokens"],

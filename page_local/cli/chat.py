@@ -8,7 +8,7 @@ import sys
 import click
 from rich.console import Console
 
-from page_local.cli.common import (chat_engine_options, ladder_option, model_option, one_line_errors, resolve_model,
+from page_local.cli.common import (chat_engine_options, model_option, one_line_errors, resolve_model,
                                    show_llama_log, sized_n_ctx, tuning_progress)
 from page_local.cli.repl import MAX_TOKENS, Repl, run_loop, stdin_reader, terminal_reader
 
@@ -16,7 +16,6 @@ from page_local.cli.repl import MAX_TOKENS, Repl, run_loop, stdin_reader, termin
 @click.command("chat")
 @model_option
 @chat_engine_options
-@ladder_option
 @click.option("--system", default=None, help="system prompt")
 @click.option("--max-tokens", default=MAX_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5), help="0 = greedy")

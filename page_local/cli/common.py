@@ -104,9 +104,15 @@ class LadderType(_Parsed):
     parse = staticmethod(parse_ladder)
 
 
-def ladder_option(f):
+def ladder_text(ladder) -> str:
+    """(0.25, 0.5) -> '1/4,1/2': a ladder as --ladder takes it."""
+    return ",".join(f"1/{round(1 / r)}" if 0 < r < 1 and abs(1 / r - round(1 / r)) < 1e-9 else f"{r:g}"
+                    for r in ladder)
+
+
+def ladder_option(f, default=defaults.LADDER):
     return click.option(
-        "--ladder", default="1/16,1/8,1/4,1/2", show_default=True, type=LadderType(),
+        "--ladder", default=ladder_text(default), show_default=True, type=LadderType(),
         help="--gate search / page+search: the budgets tried on one prefill, each checked on the answer; the "
              "smallest that passes is kept (ratios like 1/8 or 0.125, or counts).")(f)
 
@@ -124,9 +130,9 @@ def evictor_option(f, default: str = defaults.EVICTOR):
                              "sentences.")(f)
 
 
-def gate_option(f):
+def gate_option(f, default: str = defaults.GATE):
     return click.option(
-        "--gate", "gate", default=defaults.GATE, show_default=True, type=click.Choice(list(GATE_MODES)),
+        "--gate", "gate", default=default, show_default=True, type=click.Choice(list(GATE_MODES)),
         help="verify: evict, and keep the eviction only if the answer matches the full cache's; search: the "
              "same for every budget of --ladder, keeping the smallest that passes; page: evict when PAGE says it "
              "is safe; page+verify / page+search: both; always / never: force it.")(f)
@@ -257,16 +263,17 @@ def on_full_option(f):
              "context is read in parts), or refuse it.")(f)
 
 
-def engine_options(f, budget=defaults.BUDGET, auto_n_ctx: bool = False, evictor: str = defaults.EVICTOR):
+def engine_options(f, budget=defaults.BUDGET, auto_n_ctx: bool = False, evictor: str = defaults.EVICTOR,
+                   gate: str = defaults.GATE):
     """What every command that answers prompts takes: budget, evictor, gate, verify tokens, on-full, then
     context_options (in --help in this order)."""
     return budget_option(evictor_option(gate_option(verify_tokens_option(on_full_option(
-        context_options(f, auto_n_ctx)))), evictor), budget)
+        context_options(f, auto_n_ctx))), gate), evictor), budget)
 
 
 def chat_engine_options(f):
-    """engine_options for conversations (chat, serve): the budget defaults to defaults.CHAT_BUDGET, the evictor to
-    defaults.CHAT_EVICTOR; --park, --reread."""
+    """engine_options for conversations (chat, serve): the budget, evictor, gate and ladder default to defaults.CHAT_*;
+    --park, --reread."""
     f = click.option("--park/--no-park", default=defaults.CHAT_PARK, show_default=True,
                      help="The speed budget sets cells aside instead of deleting them: they stay in memory, out of "
                           "the attention, and come back before each message, which chooses again "
@@ -279,7 +286,9 @@ def chat_engine_options(f):
                      help="After a message too long for the context was cut to fit, the next message reads the "
                           "conversation again from the first deleted token, keeping what it asks about (a second "
                           "question about a long document); costs that reading each message (page_local/engine/room.py).")(f)
-    return engine_options(f, defaults.CHAT_BUDGET, auto_n_ctx=True, evictor=defaults.CHAT_EVICTOR)
+    f = ladder_option(f, defaults.CHAT_LADDER)
+    return engine_options(f, defaults.CHAT_BUDGET, auto_n_ctx=True, evictor=defaults.CHAT_EVICTOR,
+                          gate=defaults.CHAT_GATE)
 
 
 # --- inputs ------------------------------------------------------------------------------------

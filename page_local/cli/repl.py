@@ -28,7 +28,7 @@ from rich.text import Text
 
 from page_local.chat.session import MAX_TOKENS, ChatSession
 from page_local.engine import narrate
-from page_local.cli.common import parse_budget
+from page_local.cli.common import ladder_text, parse_budget
 from page_local.engine import Decision, Result, Sampling
 from page_local.engine.room import check_on_full
 from page_local.errors import ChatFileError, ChatTemplateError, ContextFull, PageLocalError
@@ -292,7 +292,10 @@ class Repl:
         budget = f"budget {s['budget']}"
         if s["budget"] != 1:  # parking (engine/parking.py) from park_from cells, or eviction for good
             budget += f" (set aside from {e.park_from} cells)" if s["park"] else " (deleted for good)"
-        return (f"{budget} · evictor {s['evictor']} · gate {s['gate']} · "
+        gate = f"gate {s['gate']}"
+        if s["gate"] in ("search", "page+search") and getattr(e, "ladder", None):  # the budgets it tries
+            gate += f" over {ladder_text(e.ladder)}"
+        return (f"{budget} · evictor {s['evictor']} · {gate} · "
                 f"verify-tokens {s['verify_tokens']} · on-full {s['on_full']} · "
                 f"temperature {s['temperature']:g} · max-tokens {s['max_tokens']}")
 

@@ -13,6 +13,7 @@ import click
 from page_local.cli.common import (
     chat_engine_options,
     fail,
+    ladder_text,
     model_option,
     n_ctx_option,
     one_line_errors,
@@ -118,8 +119,8 @@ def served_name(path) -> str:
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="Allow web pages from ORIGIN, e.g. http://localhost:3000 (repeatable; '*' for any). Without it a "
                    "request from another site's page is refused (403), and no CORS headers are sent.")
-def serve_cmd(model, reread, park, park_from, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers, rpc,
-              attention_settings, allow_long_context, host, port, api_keys, api_key_file, allow_hosts, parallel,
+def serve_cmd(model, reread, park, park_from, ladder, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads,
+              n_gpu_layers, rpc, attention_settings, allow_long_context, host, port, api_keys, api_key_file, allow_hosts, parallel,
               queue, cache_mb, max_tokens_limit, max_body_kb, cors_origins):
     """An OpenAI-compatible HTTP server on this machine: /v1/chat/completions, /v1/completions,
     /v1/models, /health. Conversations a client resends are not prefilled again."""
@@ -149,7 +150,7 @@ def serve_cmd(model, reread, park, park_from, budget, evictor, gate, verify_toke
                         parallel=parallel, queue=queue, cache_bytes=cache_mb * 2**20,
                         max_tokens_limit=max_tokens_limit or 0, max_body_bytes=max_body_kb * 1024, api_keys=keys,
                         cors_origins=cors_origins, host=host, allow_hosts=allow_hosts, park=park,
-                        park_from=park_from, reread=reread)
+                        park_from=park_from, reread=reread, ladder=tuple(ladder))
     backend = Backend(settings)
 
     class Server(uvicorn.Server):
@@ -175,11 +176,13 @@ def serve_cmd(model, reread, park, park_from, budget, evictor, gate, verify_toke
         for w in backend.warnings:
             click.echo(f"warning: {w}", err=True)
         eng = backend.slots[0].engine if backend.slots else None
+        said_ladder = f" over {ladder_text(ladder)}" if gate in ("search", "page+search") else ""
         said_budget = f"budget {budget}"
         if eng is not None and str(budget) not in ("1", "1.0"):  # what the speed budget does with what it leaves out
             said_budget += f" (set aside from {eng.park_from} cells)" if eng.park else " (deleted for good)"
         click.echo(f"page-local serve: ready: {parallel} slot{'s' if parallel > 1 else ''}, n_ctx {n_ctx}, "
-                   f"gate {gate}, {said_budget}, evictor {evictor}, on full: {on_full}, {said_keys}", err=True)
+                   f"gate {gate}{said_ladder}, {said_budget}, evictor {evictor}, on full: {on_full}, {said_keys}",
+                   err=True)
         page = "127.0.0.1" if host in ("0.0.0.0", "::", "") else shown  # (a wildcard bind: this machine's own)
         click.echo(f"page-local serve: the web UI is at http://{page}:{port}/", err=True)
 

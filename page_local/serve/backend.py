@@ -50,7 +50,8 @@ class Settings:
     park_from: int | None = None  # with park: the engine's park_from (None: its default)
     reread: bool = defaults.CHAT_REREAD  # after a cut, the next message reads the conversation again (room.py)
     evictor: str = defaults.CHAT_EVICTOR
-    gate: str = defaults.GATE
+    gate: str = defaults.CHAT_GATE
+    ladder: tuple = defaults.CHAT_LADDER  # the budgets gate "search" tries, smallest first
     verify_tokens: int | None = None  # None: the engine's default (verify.VERIFY_CAP)
     on_full: str = defaults.ON_FULL
     threads: int = defaults.THREADS
@@ -138,7 +139,7 @@ class Backend:
                 if s.park_from is not None:
                     extra["park_from"] = s.park_from
                 eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
-                             threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
+                             ladder=s.ladder, threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
                              allow_long_context=s.allow_long_context, park=s.park, reread=s.reread, **extra)
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
