@@ -29,7 +29,6 @@ LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2)  # the budgets gate mode "search" tries, 
 # quarter; eval conversations' park-search policy (docs/results.md, "Long answers")
 CHAT_GATE = "search"
 CHAT_LADDER = (1 / 4, 1 / 2)
-PARK_LADDER = CHAT_LADDER  # eval conversations' park-search
 # the attention path and KV cache type (engine/attention.py): "auto" is page-local's measured choice
 FLASH_ATTN = ("auto", "on", "off")
 CACHE_TYPES = ("f16", "q8_0", "q4_0")

@@ -16,6 +16,7 @@ from typing import Iterator
 import click
 
 from page_local import defaults
+from page_local.engine.selfcheck import rung_name
 from page_local.errors import PageLocalError
 from page_local.evictors import EVICTORS
 from page_local.gate import GATE_MODES
@@ -105,9 +106,18 @@ class LadderType(_Parsed):
 
 
 def ladder_text(ladder) -> str:
-    """(0.25, 0.5) -> '1/4,1/2': a ladder as --ladder takes it."""
-    return ",".join(f"1/{round(1 / r)}" if 0 < r < 1 and abs(1 / r - round(1 / r)) < 1e-9 else f"{r:g}"
-                    for r in ladder)
+    """(0.25, 0.5) -> '1/4,1/2': a ladder as --ladder takes it and the status line names its rungs."""
+    return ",".join(rung_name(r) for r in ladder)
+
+
+def speed_words(budget, park: bool, park_from: int, gate: str, ladder) -> tuple[str, str]:
+    """('budget 0.25 (set aside from 2048 cells)', 'gate search over 1/4,1/2'): the speed budget and the gate as
+    chat's settings line and serve's ready line say them."""
+    said_budget = f"budget {budget}"
+    if budget != 1:  # what the budget does with what it leaves out: parking (engine/parking.py) or eviction
+        said_budget += f" (set aside from {park_from} cells)" if park else " (deleted for good)"
+    said_gate = f"gate {gate}" + (f" over {ladder_text(ladder)}" if gate in ("search", "page+search") else "")
+    return said_budget, said_gate
 
 
 def ladder_option(f, default=defaults.LADDER):

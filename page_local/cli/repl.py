@@ -28,7 +28,7 @@ from rich.text import Text
 
 from page_local.chat.session import MAX_TOKENS, ChatSession
 from page_local.engine import narrate
-from page_local.cli.common import ladder_text, parse_budget
+from page_local.cli.common import parse_budget, speed_words
 from page_local.engine import Decision, Result, Sampling
 from page_local.engine.room import check_on_full
 from page_local.errors import ChatFileError, ChatTemplateError, ContextFull, PageLocalError
@@ -289,12 +289,8 @@ class Repl:
 
     def _settings_line(self) -> str:
         s, e = self.settings(), self.engine
-        budget = f"budget {s['budget']}"
-        if s["budget"] != 1:  # parking (engine/parking.py) from park_from cells, or eviction for good
-            budget += f" (set aside from {e.park_from} cells)" if s["park"] else " (deleted for good)"
-        gate = f"gate {s['gate']}"
-        if s["gate"] in ("search", "page+search") and getattr(e, "ladder", None):  # the budgets it tries
-            gate += f" over {ladder_text(e.ladder)}"
+        budget, gate = speed_words(s["budget"], s["park"], getattr(e, "park_from", None), s["gate"],
+                                   getattr(e, "ladder", ()))
         return (f"{budget} · evictor {s['evictor']} · {gate} · "
                 f"verify-tokens {s['verify_tokens']} · on-full {s['on_full']} · "
                 f"temperature {s['temperature']:g} · max-tokens {s['max_tokens']}")

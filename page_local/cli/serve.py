@@ -13,13 +13,13 @@ import click
 from page_local.cli.common import (
     chat_engine_options,
     fail,
-    ladder_text,
     model_option,
     n_ctx_option,
     one_line_errors,
     resolve_model,
     show_llama_log,
     sized_n_ctx,
+    speed_words,
     threads_option,
 )
 
@@ -175,14 +175,10 @@ def serve_cmd(model, reread, park, park_from, ladder, budget, evictor, gate, ver
             return
         for w in backend.warnings:
             click.echo(f"warning: {w}", err=True)
-        eng = backend.slots[0].engine if backend.slots else None
-        said_ladder = f" over {ladder_text(ladder)}" if gate in ("search", "page+search") else ""
-        said_budget = f"budget {budget}"
-        if eng is not None and str(budget) not in ("1", "1.0"):  # what the speed budget does with what it leaves out
-            said_budget += f" (set aside from {eng.park_from} cells)" if eng.park else " (deleted for good)"
+        park_from = backend.slots[0].engine.park_from if backend.slots else park_from  # the model's, once loaded
+        said_budget, said_gate = speed_words(budget, park, park_from, gate, ladder)
         click.echo(f"page-local serve: ready: {parallel} slot{'s' if parallel > 1 else ''}, n_ctx {n_ctx}, "
-                   f"gate {gate}{said_ladder}, {said_budget}, evictor {evictor}, on full: {on_full}, {said_keys}",
-                   err=True)
+                   f"{said_gate}, {said_budget}, evictor {evictor}, on full: {on_full}, {said_keys}", err=True)
         page = "127.0.0.1" if host in ("0.0.0.0", "::", "") else shown  # (a wildcard bind: this machine's own)
         click.echo(f"page-local serve: the web UI is at http://{page}:{port}/", err=True)
 

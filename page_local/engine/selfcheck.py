@@ -138,15 +138,18 @@ class AfterAnswer:
         return [(b, self.pipe.select(self.ev, self.pre, b, sig, self.seed)) for b in self.budgets], la.ms
 
 
+def rung_name(r) -> str:
+    """How a rung of the ladder is called: '1/8' for a ratio 0.125, 'all' for 1.0, '1024' for a count."""
+    if isinstance(r, float) and r > 0 and abs(1 / r - round(1 / r)) < 1e-9:
+        return f"1/{round(1 / r)}" if r < 1 else "all"
+    return str(r)
+
+
 def plan_labels(keeps, ladder, T: int) -> list[str]:
-    """How each rung is called in the status line: '1/8' for a ratio 0.125, '1024' for a count."""
+    """How each rung is called in the status line (rung_name), by the budget it resolved to."""
     names = {}
     for r in ladder:
-        b = resolve_budget(r, T, W, N_SINK)
-        if isinstance(r, float) and r > 0 and abs(1 / r - round(1 / r)) < 1e-9:
-            names.setdefault(b, f"1/{round(1 / r)}" if r < 1 else "all")
-        else:
-            names.setdefault(b, str(r))
+        names.setdefault(resolve_budget(r, T, W, N_SINK), rung_name(r))
     return [names.get(b, str(b)) for b, _ in keeps]
 
 

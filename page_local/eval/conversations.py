@@ -21,7 +21,7 @@ of at most max_tokens:
 * park      verify's budget, evictor and gate, but the speed budget parks cells instead of evicting them
             (engine/parking.py): each message is read over the whole conversation and chooses again; from
             the first turn (park_from 0), so that every turn's choice is tested, not only the long ones
-* park-search  (comparison) park's, with budget search (gate search) over defaults.PARK_LADDER: the smallest
+* park-search  (comparison) park's, with budget search (gate search) over defaults.CHAT_LADDER: the smallest
             share whose check passes is kept, the rest parked
 * always, park-always  (comparisons) the speed budget applied on every turn without a check (gate always),
             evicting for good or parking: which later-turn questions each loses when eviction does happen
@@ -356,7 +356,7 @@ def set_policy(eng: Engine, policy: str) -> Engine:
     """Set an engine for a policy: its gate and what it does at the wall (the rest is the runner's)."""
     eng.set_gate({"verify": "verify", "page": "page", "park": "verify", "always": "always",
                   "park-always": "always", "park-search": "search"}.get(policy, "never"))
-    eng.set_ladder(defaults.PARK_LADDER if policy == "park-search" else defaults.LADDER)
+    eng.set_ladder(defaults.CHAT_LADDER if policy == "park-search" else defaults.LADDER)
     eng.set_park(policy in ("park", "park-always", "park-search"), 0)
     eng.on_full = "evict" if policy in ("verify", "page", "park", "room", "room-recent", "always",
                                         "park-always", "park-search") else "refuse"
