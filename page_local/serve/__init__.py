@@ -6,7 +6,8 @@
     slots.py     engine slots, the FIFO of waiting requests, the conversation cache (prefix reuse)
     backend.py   loading, one request in a slot's thread, stats
     guards.py    ASGI middleware before any route: Host, Origin (CORS), API keys and namespaces, JSON only
-    http.py      what the routes share: body limits, client-gone, collecting an answer, readiness
+    http.py      what the routes share: body limits, client-gone, collecting an answer, a turn from slot to
+                 response (run_turn), readiness
     chat_template.py  the model's Jinja chat template with tools; a conversation tokenized with its text as text
     tools.py     tool calling: tools and tool_choice validated, the call grammar, calls read back from the text
     openai.py    OpenAI's routes (models, chat and text completions, SSE)

@@ -1,6 +1,7 @@
 """What every route shares below the routes themselves: reading a body under the size limit, waiting
-on something unless the client goes away, collecting a request's events into one answer, the error
-response in the OpenAI envelope, readiness and the request's key namespace.
+on something unless the client goes away, collecting a request's events into one answer, a generating
+request's way from its slot to its response (run_turn), the error response in the OpenAI envelope,
+readiness and the request's key namespace.
 
 Imported by the OpenAI, Ollama and model routes and by app.py; it imports no route (no serve module
 above errors.py and guards.py), so the routes never import app.py or each other.
@@ -87,6 +88,47 @@ async def collect(turn, first: tuple) -> tuple[list[str], dict]:
         else:
             raise event[1]
         event = await turn.next()
+
+
+async def run_turn(request, acquire, start, *, stream, whole, error=error_response, on_first=None):
+    """A generating request from its slot to its response: the block every generating route shares.
+
+    acquire   an awaitable giving the request's slot (slots.SlotPool.acquire), awaited unless the client goes
+    start     start(slot) -> the running turn (backend.Turn: next() and close())
+    stream    stream(turn, first) -> the streamed response, which owns the turn from then on (its body closes
+              it); None: the answer is collected and whole(parts, done) makes the response (collect's values)
+    error     error(ApiError) -> the response, in the route's error shape
+    on_first  on_first() when the first event has come (Ollama's timings)
+
+    The status line waits for the first event: a request refused after the prefill (the conversation does not
+    fit) is still a plain error response, not a 200 stream with an error in it. A client gone while its request
+    waits or before its answer is whole gets 499 (nobody reads it), and its generation stops within one token.
+    """
+    from starlette.responses import Response
+
+    try:
+        slot = await unless_gone(request, acquire)
+    except Gone:
+        return Response(status_code=499)
+    turn = start(slot)
+    try:
+        first = await unless_gone(request, turn.next())
+        if on_first is not None:
+            on_first()
+        if first[0] == "error":
+            return error(first[1])
+        if stream is not None:
+            return stream(turn, first)
+        parts, done = await unless_gone(request, collect(turn, first))
+    except Gone:
+        turn.close()
+        return Response(status_code=499)
+    except ApiError as e:  # a mid-answer error of a request that is not streamed
+        return error(e)
+    except BaseException:  # the server cancelling the request (shutdown)
+        turn.close()
+        raise
+    return whole(parts, done)
 
 
 def ready(backend) -> None:

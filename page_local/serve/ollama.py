@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 from page_local.serve import model_routes, protocol, tools
 from page_local.serve.backend import Turn, rss_bytes
 from page_local.serve.errors import ApiError, bad
-from page_local.serve.http import Gone, collect, namespace, read_body, ready, unless_gone
+from page_local.serve.http import namespace, read_body, ready, run_turn
 
 OLLAMA_VERSION = "0.32.0"  # the Ollama release whose API shapes these routes follow
 # options Ollama applies when it loads a model: ignored here (the module docstring says why)
@@ -399,12 +399,12 @@ def routes(backend):
             raise _renamed(e, names) from None
         job.namespace = namespace(request)
         tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
-        try:
-            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace, admission))
-        except Gone:
-            return Response(status_code=499)
-        t_slot = time.perf_counter_ns()
-        turn = Turn(backend, slot, job, tokens, n_keep)
+        clock = {}
+
+        def start(slot):
+            clock["slot"] = time.perf_counter_ns()
+            return Turn(backend, slot, job, tokens, n_keep)
+
         def piece(text: str, calls: list | None = None) -> dict:
             if route != "chat":
                 return {"response": text}
@@ -414,7 +414,6 @@ def routes(backend):
                                                    "arguments": json.loads(c["function"]["arguments"])}}
                                      for c in calls]
             return {"message": msg}
-        clock = {}
 
         def final(done: dict, text: str = "", calls: list | None = None) -> dict:
             t_end = time.perf_counter_ns()
@@ -423,33 +422,27 @@ def routes(backend):
             return {"model": name, "created_at": now_rfc3339(), **piece(text, calls), "done": True,
                     "done_reason": done["finish"] if done["finish"] in ("stop", "length") else "stop",
                     "total_duration": t_end - t0,
-                    "prompt_eval_count": use["prompt_tokens"], "prompt_eval_duration": t_first - t_slot,
+                    "prompt_eval_count": use["prompt_tokens"], "prompt_eval_duration": t_first - clock["slot"],
                     "eval_count": use["completion_tokens"], "eval_duration": t_end - t_first,
                     "page_local": done["page_local"]}
 
-        try:
-            first = await unless_gone(request, turn.next())
+        def streamed(turn, first):
+            scan = tools.CallScanner(_names(job)) if job.offers_tools else None
+            return StreamingResponse(_ndjson(turn, first, name, piece, final, scan), media_type="application/x-ndjson")
+
+        def whole(parts: list[str], done: dict):
+            text = "".join(parts)
+            if job.offers_tools:
+                text, calls = tools.split_calls(text, _names(job))
+                return JSONResponse(final(done, text, calls))
+            return JSONResponse(final(done, text))
+
+        def first_came():
             clock["first"] = time.perf_counter_ns()
-            if first[0] == "error":
-                return error_response(first[1])
-            if job.stream:
-                scan = tools.CallScanner(_names(job)) if job.offers_tools else None
-                return StreamingResponse(_ndjson(turn, first, name, piece, final, scan),
-                                         media_type="application/x-ndjson")
-            parts, done = await unless_gone(request, collect(turn, first))
-        except Gone:
-            turn.close()
-            return Response(status_code=499)
-        except ApiError as e:
-            return error_response(e)
-        except BaseException:
-            turn.close()
-            raise
-        text = "".join(parts)
-        if job.offers_tools:
-            text, calls = tools.split_calls(text, _names(job))
-            return JSONResponse(final(done, text, calls))
-        return JSONResponse(final(done, text))
+
+        return await run_turn(request, backend.pool.acquire(tokens, job.namespace, admission), start,
+                              stream=streamed if job.stream else None, whole=whole, error=error_response,
+                              on_first=first_came)
 
     return [Route("/api/version", guarded(version), methods=["GET", "HEAD"]),
             Route("/api/tags", guarded(tags), methods=["GET", "HEAD"]),

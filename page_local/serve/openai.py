@@ -17,16 +17,7 @@ import json
 from page_local.serve import protocol, tools
 from page_local.serve.backend import Turn
 from page_local.serve.errors import ApiError
-from page_local.serve.http import (
-    Gone,
-    collect,
-    error_response,
-    namespace,
-    read_body,
-    ready,
-    sse_response,
-    unless_gone,
-)
+from page_local.serve.http import namespace, read_body, ready, run_turn, sse_response
 
 
 def unknown_model(backend, name: str) -> ApiError:
@@ -36,7 +27,7 @@ def unknown_model(backend, name: str) -> ApiError:
 
 def routes(backend) -> list:
     """Starlette routes over `backend`, with and without the /v1 prefix."""
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     s = backend.settings
@@ -76,33 +67,19 @@ def routes(backend) -> list:
         if job.model and job.model not in backend.names:
             raise unknown_model(backend, job.model)
         tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
-        rid, created = protocol.new_id(kind), protocol.now()
-        try:
-            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace, admission))
-        except Gone:
-            return Response(status_code=499)
-        turn = Turn(backend, slot, job, tokens, n_keep)
-        name = s.served_name
-        try:
-            # the status line waits for the first event: a request refused after the prefill (the
-            # conversation does not fit) is still a plain 400, not a 200 stream with an error in it
-            first = await unless_gone(request, turn.next())
-            if first[0] == "error":
-                return error_response(first[1])
-            if job.stream:
-                return sse_response(sse(turn, first, job, kind, rid, created, name))
-            parts, done = await unless_gone(request, collect(turn, first))
-        except Gone:
-            turn.close()
-            return Response(status_code=499)  # nobody reads it: the client is gone
-        except ApiError as e:  # a mid-answer error of a request that is not streamed
-            return error_response(e)
-        except BaseException:  # the server cancelling the request (shutdown)
-            turn.close()
-            raise
-        text, calls, finish = answer(job, "".join(parts), done["finish"])
-        return JSONResponse(protocol.body(kind, rid, created, name, text, finish, done["usage"], done["page_local"],
-                                          done.get("logprobs"), calls))
+        rid, created, name = protocol.new_id(kind), protocol.now(), s.served_name
+
+        def streamed(turn, first):
+            return sse_response(sse(turn, first, job, kind, rid, created, name))
+
+        def whole(parts: list[str], done: dict):
+            text, calls, finish = answer(job, "".join(parts), done["finish"])
+            return JSONResponse(protocol.body(kind, rid, created, name, text, finish, done["usage"],
+                                              done["page_local"], done.get("logprobs"), calls))
+
+        return await run_turn(request, backend.pool.acquire(tokens, job.namespace, admission),
+                              lambda slot: Turn(backend, slot, job, tokens, n_keep),
+                              stream=streamed if job.stream else None, whole=whole)
 
     out = []
     for prefix in ("", "/v1"):

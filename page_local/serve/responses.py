@@ -23,16 +23,7 @@ import secrets
 from page_local.serve import protocol, tools
 from page_local.serve.backend import Turn
 from page_local.serve.errors import ApiError, bad
-from page_local.serve.http import (
-    Gone,
-    collect,
-    error_response,
-    namespace,
-    read_body,
-    ready,
-    sse_response,
-    unless_gone,
-)
+from page_local.serve.http import namespace, read_body, ready, run_turn, sse_response
 
 # read, with what each becomes; NO_EFFECT: accepted without effect (nothing is stored or logged here)
 FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
@@ -251,7 +242,7 @@ class Builder:
 
 
 def routes(backend) -> list:
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     s = backend.settings
@@ -275,32 +266,21 @@ def routes(backend) -> list:
             raise ApiError(404, f"the model {job.model!r} is not served here; this server serves {s.served_name!r}",
                            "model_not_found", "model")
         tokens, n_keep = await asyncio.to_thread(backend.tokens, job)
-        try:
-            slot = await unless_gone(request, backend.pool.acquire(tokens, job.namespace, admission))
-        except Gone:
-            return Response(status_code=499)
-        turn = Turn(backend, slot, job, tokens, n_keep)
         build = Builder(job, s.served_name, body)
-        try:
-            first = await unless_gone(request, turn.next())
-            if first[0] == "error":
-                return error_response(first[1])
-            if job.stream:
-                return sse_response(_events(turn, first, job, build))
-            parts, done = await unless_gone(request, collect(turn, first))
-        except Gone:
-            turn.close()
-            return Response(status_code=499)
-        except ApiError as e:
-            return error_response(e)
-        except BaseException:
-            turn.close()
-            raise
-        scan = tools.CallScanner(_names(job)) if job.offers_tools else None
-        for kind, value in (scan.feed("".join(parts)) + scan.flush()) if scan else [("text", "".join(parts))]:
-            (build.text if kind == "text" else build.call)(value)
-        build.close_message()
-        return JSONResponse(build.obj(_status(done), done))
+
+        def streamed(turn, first):
+            return sse_response(_events(turn, first, job, build))
+
+        def whole(parts: list[str], done: dict):
+            scan = tools.CallScanner(_names(job)) if job.offers_tools else None
+            for kind, value in (scan.feed("".join(parts)) + scan.flush()) if scan else [("text", "".join(parts))]:
+                (build.text if kind == "text" else build.call)(value)
+            build.close_message()
+            return JSONResponse(build.obj(_status(done), done))
+
+        return await run_turn(request, backend.pool.acquire(tokens, job.namespace, admission),
+                              lambda slot: Turn(backend, slot, job, tokens, n_keep),
+                              stream=streamed if job.stream else None, whole=whole)
 
     return [Route("/v1/responses", create, methods=["POST"]), Route("/responses", create, methods=["POST"])]
 
