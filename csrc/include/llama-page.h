@@ -30,6 +30,7 @@ enum llama_page_status {
     LLAMA_PAGE_ERR_INTERNAL    = -6, // unexpected failure inside llama.cpp (message says what)
 };
 
+// --- attention probe (csrc/page-probe.cpp) -------------------------------------------------------
 // Shape of the probe result of the last armed decode.
 struct llama_page_probe_info {
     int32_t n_layer;   // layers of the model (rows of every per-layer array)
@@ -79,24 +80,13 @@ LLAMA_API int32_t llama_page_probe_get_mean     (const struct llama_context * ct
 LLAMA_API int32_t llama_page_probe_get_topk     (const struct llama_context * ctx, llama_pos * topk_pos, float * topk_score, int64_t n);
 LLAMA_API int32_t llama_page_probe_get_rows     (const struct llama_context * ctx, float     * rows,      int64_t n);
 
-// --- deletion cost (LORE-KV) --------------------------------------------------------------------
+// --- deletion cost (LORE-KV; csrc/page-lorekv.cpp) -------------------------------------------------
 // For one query in head h with attention a_p over the visible keys and head output o = sum_p a_p v_p,
 // deleting key p and renormalising moves the head's contribution to the residual stream by exactly
 //     c[h,p] = a_p / (1 - a_p) * || W_O^(h) (v_p - o) ||  =  a_p / (1 - a_p) * || R_h (v_p - o) ||
 // where W_O^(h) = Q_h R_h is the QR factorisation of head h's column block of the output projection.
-// (1 - a_p is clamped to >= 1e-6.) R_h is supplied by the caller, so the same probe also computes the
-// "no W_O" (R_h = I) and "per-head gain" (R_h = g_h I) approximations.
-
-// Set the factors used by the deletion-cost probe: f32 [n_layer, n_head, d_v, d_v], R_h row-major
-// (element [il, h, i, j] = R_h[i][j]); n must equal that size. r == NULL clears them. They are copied to
-// the device of each layer's output projection and kept until replaced or the context is freed.
-LLAMA_API int32_t llama_page_set_out_proj(struct llama_context * ctx, const float * r, int64_t n);
-
-// Copy layer il's attention output projection W_O, dequantized, into out: f32 [n_embd, n_head * d_v]
-// row-major (column block h is head h's W_O^(h)); n must equal that size. For computing R_h.
-// out == NULL and n == 0: returns the number of columns (n_head * d_v). LLAMA_PAGE_ERR_UNSUPPORTED when
-// the backend cannot read the weight back (the CPU backend's repacked layouts): read the GGUF instead.
-LLAMA_API int32_t llama_page_out_proj_weight(const struct llama_context * ctx, int32_t il, float * out, int64_t n);
+// (1 - a_p is clamped to >= 1e-6.) R_h is supplied by the caller (llama_page_set_out_proj, below), so the same
+// probe also computes the "no W_O" (R_h = I) and "per-head gain" (R_h = g_h I) approximations.
 
 // Arm the deletion-cost probe for the next llama_decode(). Every token of that batch is a query, and
 // the batch may hold tokens of several sequences (e.g. sampled continuations that share target_seq's
@@ -113,6 +103,19 @@ LLAMA_API int32_t llama_page_out_proj_weight(const struct llama_context * ctx, i
 LLAMA_API int32_t llama_page_probe_arm_cost(struct llama_context * ctx, llama_seq_id target_seq, bool reuse_value_norms);
 LLAMA_API int32_t llama_page_probe_get_costs(const struct llama_context * ctx, float * costs, int64_t n);
 
+// --- output projection: the factors R_h the deletion cost reads (csrc/page-outproj.cpp) ------------
+// Set the factors used by the deletion-cost probe: f32 [n_layer, n_head, d_v, d_v], R_h row-major
+// (element [il, h, i, j] = R_h[i][j]); n must equal that size. r == NULL clears them. They are copied to
+// the device of each layer's output projection and kept until replaced or the context is freed.
+LLAMA_API int32_t llama_page_set_out_proj(struct llama_context * ctx, const float * r, int64_t n);
+
+// Copy layer il's attention output projection W_O, dequantized, into out: f32 [n_embd, n_head * d_v]
+// row-major (column block h is head h's W_O^(h)); n must equal that size. For computing R_h.
+// out == NULL and n == 0: returns the number of columns (n_head * d_v). LLAMA_PAGE_ERR_UNSUPPORTED when
+// the backend cannot read the weight back (the CPU backend's repacked layouts): read the GGUF instead.
+LLAMA_API int32_t llama_page_out_proj_weight(const struct llama_context * ctx, int32_t il, float * out, int64_t n);
+
+// --- eviction, positions, key norms and compaction -----------------------------------------------
 // Remove exactly the given positions from seq_id, in one call. Cells that other sequences share
 // stay for them. The positions may come in any order; each must currently be in the sequence
 // (the full-attention cache's view for sliding-window models), with no duplicates, else
