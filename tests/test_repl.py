@@ -21,6 +21,7 @@ from rich.console import Console
 
 from page_local.chat.session import SAVE_FORMAT, ChatSession
 from page_local.engine import narrate
+from page_local.cli import repl_commands
 from page_local.cli.chat import chat_cmd
 from page_local.cli.repl import Repl, run_loop
 from page_local.errors import ContextFull, DecodeError
@@ -435,6 +436,46 @@ def test_commands_misc(fake):
         repl.handle(usage)
         assert last_line(out()).startswith("usage: ")
     assert repl.handle("/exit") is False and repl.handle("/QUIT") is False
+
+
+def test_help_is_written_from_the_command_table(fake):
+    """Every command is reached by its name and aliases (any case), and /help shows each row's usage and help,
+    its continuation lines under the first; no name is taken twice."""
+    repl, _, out = fake()
+    names = [n for c in repl_commands.COMMANDS for n in (c.name, *c.aliases)]
+    assert len(names) == len(set(names)) and all(n == n.lower() and n.startswith("/") for n in names)
+    for c in repl_commands.COMMANDS:
+        for n in (c.name, *c.aliases):
+            assert repl_commands.find(n.upper()) is c
+    repl.handle("/help")
+    shown = out()
+    for c in repl_commands.COMMANDS:
+        if c.help is None:  # listed on another row: /load on /save's
+            assert any(c.usage in o.usage for o in repl_commands.COMMANDS if o.help), c.name
+            continue
+        first, *more = c.help.split("\n")
+        width = repl_commands.USAGE_WIDTH  # descriptions line up in one column; a wider usage is followed by two spaces
+        gap = " " * (width - len(c.usage) if len(c.usage) < width else 2)
+        assert re.search(rf"^{re.escape(c.usage)}{gap}{re.escape(first)}$", shown, re.M), c.name
+        for line in more:
+            assert f"\n{' ' * repl_commands.USAGE_WIDTH}{line}\n" in shown + "\n", line
+
+
+def test_a_command_added_to_the_table_is_dispatched_and_listed(fake, monkeypatch):
+    """Adding a command is a handler and a row: the REPL finds it and /help lists it."""
+    seen = []
+
+    def ping(repl, arg):
+        seen.append(arg)
+        repl.console.print(f"pong {arg}")
+
+    row = repl_commands.Command("/ping", "/ping [TEXT]", "answer pong", ping, aliases=("/p",))
+    monkeypatch.setattr(repl_commands, "COMMANDS", (*repl_commands.COMMANDS, row))
+    repl, _, out = fake()
+    assert repl.handle("/PING  two words ") is True and repl.handle("/p") is True
+    assert seen == ["two words", ""] and "pong two words" in out()
+    repl.handle("/help")
+    assert re.search(r"^/ping \[TEXT\] +answer pong$", out(), re.M)
 
 
 def test_a_leading_space_sends_a_slash_message(fake):

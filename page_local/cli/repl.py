@@ -1,10 +1,12 @@
 """The REPL of `page-local chat`: a conversation on one Engine, with what the cache went through after
 each answer (narrate.status) and `/why` to explain it (narrate.why).
 
-Two layers, so the REPL can be tested with scripted input and a fake engine (tests/fakes.py):
+Three parts, so the REPL can be tested with scripted input and a fake engine (tests/fakes.py):
 * `Repl` holds the conversation (a ChatSession) and the settings; `Repl.handle(line)` runs one
   complete input (a message or a slash command), writes to a rich Console and returns False when the
-  user exits.
+  user exits. A message is a turn (`send`, then the status line); a slash command goes to its handler.
+* cli/repl_commands.py: the slash commands, one small handler each, named in one table (COMMANDS)
+  from which /help is written. A new command is a handler and a row there.
 * `run_loop` only reads lines (prompt_toolkit on a terminal, plain stdin otherwise), joins
   continuation lines and feeds them to `handle`.
 
@@ -18,73 +20,27 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 from rich.text import Text
 
 from page_local.chat.session import MAX_TOKENS, ChatSession
-from page_local.engine import narrate
+from page_local.cli import repl_commands
 from page_local.cli.common import parse_budget, speed_words
-from page_local.engine import Decision, Result, Sampling
+from page_local.engine import Decision, Result, Sampling, narrate
 from page_local.engine.room import check_on_full
-from page_local.errors import ChatFileError, ChatTemplateError, ContextFull, PageLocalError
+from page_local.errors import ChatTemplateError, ContextFull, PageLocalError
 from page_local.native.runtime import describe_placement
 from page_local.store.home import page_local_home
 
-MAX_READ_BYTES = 16 * 1024 * 1024  # /read refuses larger files before reading them
 SETTINGS = ("budget", "park", "evictor", "gate", "verify_tokens", "on_full", "temperature", "max_tokens")
-
-HELP = """\
-Type a message and press Enter. Esc+Enter, or a line ending in \\, continues on a new line.
-Ctrl-C stops an answer (the partial answer stays); Ctrl-C at the prompt clears the line; Ctrl-D exits.
-
-/help                 this text
-/clear                start a new conversation (drops a pending /read document too)
-/system [TEXT]        set the system prompt (re-prefills the conversation); alone: show it; '-' removes it
-/set [KEY VALUE]      budget (0.25 = ratio, 1024 = cells; 1.0: the whole conversation attended), park (on: the
-                      budget sets cells aside, each message chooses again; off: it deletes them), evictor,
-                      gate (verify|page|page+verify|always|never), verify-tokens (1-256), on-full (evict|refuse),
-                      temperature, max-tokens;
-                      alone: show the settings. They apply from the next turn.
-/why (or /gate)       what happened to the cache on the last turn, and why, in plain words
-/stats                the last turn's decision in full, with timings
-/read FILE [QUESTION] put the file's text into the next message (QUESTION, or your next line, follows it)
-/save FILE, /load FILE  the conversation and the settings: JSON, or with the KV cache once a turn evicted
-                      (it then continues with identical tokens); FILE is the rest of the line, or quoted
-/exit                 quit"""
-
-
-def _path_arg(rest: str) -> str:
-    """The FILE of /save and /load: the whole rest of the line ('my chat.json'), or a quoted path."""
-    rest = rest.strip()
-    if len(rest) >= 2 and rest[0] in "'\"" and rest[-1] == rest[0]:
-        return rest[1:-1]
-    return rest
-
-
-def _one_line(e: object) -> str:
-    """An exception's message on one line (llama.cpp's reasons and OS messages can hold newlines)."""
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _int(value):
     """'16' -> 16; anything else unchanged, for the setter to refuse by name."""
     return int(value) if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*", value) else value
-
-
-def _split_path(rest: str) -> tuple[str, str]:
-    """'"my file.txt" why?' -> ('my file.txt', 'why?'); 'a.txt why?' -> ('a.txt', 'why?')."""
-    rest = rest.strip()
-    if rest[:1] in ("'", '"'):
-        end = rest.find(rest[0], 1)
-        if end > 0:
-            return rest[1:end], rest[end + 1 :].strip()
-    path, _, tail = rest.partition(" ")
-    return path, tail.strip()
 
 
 class _Reading:
@@ -145,7 +101,7 @@ class Repl:
         """The one-time greeting: model, settings, how to continue a line, and a profile warning if any."""
         e = self.engine
         self.console.print(Text(f"page-local chat · {e.model.path.name} · n_ctx {e.n_ctx} · "
-                                f"{describe_placement(e.placement)} · " + self._settings_line(), style="bold"),
+                                f"{describe_placement(e.placement)} · " + self.settings_line(), style="bold"),
                            soft_wrap=True)
         hint = "Esc+Enter or a trailing \\ continues a line" if multiline_hint else "a trailing \\ continues a line"
         self.console.print(Text(f"/help for commands · {hint} · Ctrl-C stops an answer · Ctrl-D exits",
@@ -163,26 +119,20 @@ class Repl:
         if not text:
             return True
         if not line.startswith("/"):  # " /x" is a message: a leading space escapes the slash
-            self._send(text)
+            self.send(text)
             return True
         cmd, arg = (text.split(None, 1) + [""])[:2]  # the argument keeps its inner newlines
         cmd, arg = cmd.lower(), arg.strip()
-        if cmd in ("/exit", "/quit"):
-            return False
-        action = {
-            "/help": lambda a: self.console.print(Text(HELP)),
-            "/clear": self._clear, "/system": self._system, "/set": self._set, "/stats": self._stats,
-            "/why": self._why, "/gate": self._why, "/read": self._read, "/save": self._save, "/load": self._load,
-        }.get(cmd)
-        if action is None:
-            self._error(f"unknown command {cmd}; /help lists the commands (start a message with a space "
-                        "to send text that begins with '/')")
-        else:
-            action(arg)
-        return True
+        command = repl_commands.find(cmd)
+        if command is None:
+            self.error(f"unknown command {cmd}; /help lists the commands (start a message with a space "
+                       "to send text that begins with '/')")
+            return True
+        return command.handler(self, arg) is not False
 
     # --- a turn ------------------------------------------------------------------------------
-    def _send(self, text: str) -> None:
+    def send(self, text: str) -> None:
+        """One turn: `text` (after a document /read left pending) streamed to the console, then the status line."""
         if self.pending_doc is not None:
             # the document first, then the question: the probe window (the last 32 tokens) then
             # sits on the question, which is what PAGE's gate is meant to look at
@@ -206,11 +156,11 @@ class Repl:
         except ContextFull as e:
             return self._context_full(e)
         except ChatTemplateError as e:  # raised while rendering, before anything reached the cache
-            return self._error(f"the message was not sent: {e}")
+            return self.error(f"the message was not sent: {e}")
         except PageLocalError as e:  # a decode failure: the cache may be out of step
-            return self._error(f"the turn failed: {e}. /clear starts over.")
+            return self.error(f"the turn failed: {e}. /clear starts over.")
         except ValueError as e:  # the engine refused the input before prefilling it
-            return self._error(f"the message was not sent: {e}")
+            return self.error(f"the message was not sent: {e}")
         finally:
             reading.stop()
             if set_progress is not None:
@@ -237,14 +187,14 @@ class Repl:
             self.session.replay(list(self.session.messages))
         except (PageLocalError, ValueError) as e:
             self.session.clear()
-            self._error(f"the cache could not be restored ({e}); the conversation was cleared")
+            self.error(f"the cache could not be restored ({e}); the conversation was cleared")
 
     def _status(self, interrupted: bool) -> None:
         """What the cache went through first (narrate.status), then speed, cells and how the answer ended."""
-        r, d, e = self.result, self.decision, self.engine
+        r, d = self.result, self.decision
         if r is None or d is None:
             return
-        parts = [narrate.status(d), f"{r.tokens_per_s:.1f} tok/s", f"{_cells(e)} cells"]
+        parts = [narrate.status(d), f"{r.tokens_per_s:.1f} tok/s", f"{self.cells()} cells"]
         if interrupted:
             parts.append("stopped by Ctrl-C (the partial answer is kept)")
         elif r.finish_reason == "context":
@@ -254,8 +204,8 @@ class Repl:
         self.console.print(Text(" · ".join(parts), style="dim"), soft_wrap=True)
 
     def _context_full(self, e: ContextFull) -> None:
-        self._error(f"this message does not fit: {e.used} of {e.n_ctx} cells are in use and it needs "
-                    f"{e.needed} more. Nothing was sent and nothing was dropped.")
+        self.error(f"this message does not fit: {e.used} of {e.n_ctx} cells are in use and it needs "
+                   f"{e.needed} more. Nothing was sent and nothing was dropped.")
         if self.engine.on_full == "refuse":
             tip = ("What you can do: '/set on-full evict' so that earlier turns are evicted to make room, "
                    "/clear to start a new conversation, or restart with a larger --n-ctx")
@@ -264,22 +214,15 @@ class Repl:
                    "/clear, or restart with a larger --n-ctx")
         self.console.print(f"{tip} (now {e.n_ctx}).", highlight=False)
 
-    # --- commands ----------------------------------------------------------------------------
-    def _clear(self, _arg: str) -> None:
-        self.session.clear()
-        self.pending_doc = None
-        self.decision = self.result = None
-        self.console.print("New conversation.")
+    def cells(self) -> str:
+        """'42/2048', or with cells parked (engine/parking.py) '580 attended + 1741 set aside/4096'."""
+        e = self.engine
+        parking = getattr(e, "parking", None)
+        parked = parking.count() if parking is not None else 0
+        used = f"{e.cells_used()} attended + {parked} set aside" if parked else str(e.cells_used())
+        return f"{used}/{e.n_ctx}"
 
-    def _system(self, arg: str) -> None:
-        if not arg:
-            return self.console.print(Text(f"system prompt: {self.session.system or '(none)'}"))
-        old = self.session.system
-        new = None if arg == "-" else arg
-        if self._replayed(lambda: self.session.set_system(new), lambda: self.session.set_system(old),
-                          "could not change the system prompt"):
-            self.console.print("System prompt removed." if new is None else "System prompt set.")
-
+    # --- the settings (/set, /save, /load) ----------------------------------------------------
     def settings(self) -> dict:
         """The settings that /save writes and /load restores."""
         e = self.engine
@@ -287,7 +230,8 @@ class Repl:
                 "gate": e.gate_mode, "verify_tokens": e.verify_tokens, "on_full": e.on_full,
                 "temperature": self.sampling.temperature, "max_tokens": self.max_tokens}
 
-    def _settings_line(self) -> str:
+    def settings_line(self) -> str:
+        """The settings in words: the banner's tail, and what /set and /load answer."""
         s, e = self.settings(), self.engine
         budget, gate = speed_words(s["budget"], s["park"], getattr(e, "park_from", None), s["gate"],
                                    getattr(e, "ladder", ()))
@@ -347,146 +291,8 @@ class Repl:
                 self.apply_setting(k, v)
             raise
 
-    def _set(self, arg: str) -> None:
-        if not arg:
-            return self.console.print(self._settings_line(), highlight=False)
-        key, _, value = arg.partition(" ")
-        if not value.strip():
-            return self._error(f"usage: /set {key} VALUE")
-        try:
-            self.apply_setting(key, value.strip())
-        except ValueError as e:
-            return self._error(f"{e}; nothing changed")
-        self.console.print(f"{self._settings_line()} (from the next turn)", highlight=False)
-
-    def _no_turn(self) -> bool:
-        if self.decision is None:
-            self.console.print("No turn yet (the gate decides after each message's prefill)."
-                               + (f" The conversation was {self.replaced} since." if self.session.messages else ""))
-        return self.decision is None
-
-    def _stats(self, _arg: str) -> None:
-        if self._no_turn():
-            return self.console.print(f"cells {_cells(self.engine)}", highlight=False)
-        d, r = self.decision, self.result
-        t = Table(title="last decision", show_header=False)
-        t.add_column("field", style="bold")
-        t.add_column("value", overflow="fold")
-        t.add_row("outcome", narrate.status(d))
-        for k, v in d.to_dict().items():
-            if k.startswith("verify_") and d.verify_m is None:
-                continue  # self-verification did not run on this turn
-            if k == "agreement":
-                v = " ".join(f"{a:.2f}" for a in v) or "-"
-            elif v is None:
-                v = "-"
-            elif k.endswith("_ms"):
-                v = f"{v:.2f}"
-            elif isinstance(v, float):
-                v = f"{v:.4f}"
-            t.add_row(k, str(v))
-        for k, v in (("prompt_tokens", r.prompt_tokens), ("generated", f"{len(r.tokens)} ({r.finish_reason})"),
-                     ("tokens/s", f"{r.tokens_per_s:.1f}")):
-            t.add_row(k, str(v))
-        t.add_row("cells", _cells(self.engine))
-        t.add_row("device", describe_placement(self.engine.placement))
-        self.console.print(t)
-
-    def _why(self, _arg: str) -> None:
-        if not self._no_turn():
-            self.console.print(Text(narrate.why(self.decision)))
-
-    def _read(self, arg: str) -> None:
-        if not arg:
-            return self._error("usage: /read FILE [QUESTION]")
-        name, question = _split_path(arg)
-        path = Path(name).expanduser()
-        try:
-            if path.stat().st_size > MAX_READ_BYTES:
-                return self._error(f"{path} is larger than {MAX_READ_BYTES // 2**20} MiB; /read is for text documents")
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return self._error(f"no such file: {path}")
-        except OSError as e:
-            return self._error(f"cannot read {path}: {e.strerror or e}")
-        try:
-            if b"\0" in data:
-                raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError:
-            return self._error(f"{path} is not a UTF-8 text file; /read takes text documents only")
-        if not text.strip():
-            return self._error(f"{path} is empty")
-        self.pending_doc = (path.name, text)
-        if question:
-            self._send(question)
-        else:
-            self.console.print(Text(f"Read {path.name} ({len(text)} characters); it is sent with your next "
-                                    "message, which follows it.", style="dim"))
-
-    def _save(self, arg: str) -> None:
-        if not arg:
-            return self._error("usage: /save FILE")
-        path = Path(_path_arg(arg)).expanduser()
-        folder = next((p for p in path.parents if p.exists()), path)  # the save creates the folders below it
-
-        def failed(why: str) -> None:
-            self._error(f"could not save to {path}: {why}; the conversation is kept")
-
-        if path.is_dir():
-            return failed("it is a folder (/save takes a file name)")
-        if not folder.is_dir():
-            return failed(f"{folder} is a file, not a folder")
-        with_cache = self.session.evicted  # ChatSession.save then writes the KV cache, not JSON
-        try:
-            self.session.save(path, settings=self.settings())
-        except OSError as e:  # written through a temp file: nothing was half written
-            return failed(_one_line(e.strerror or e))
-        except (PageLocalError, RuntimeError) as e:  # e.g. llama.cpp could not copy the cache out
-            return failed(_one_line(e))
-        n = len(self.session.messages)
-        if with_cache:
-            size = path.stat().st_size / 2**20
-            self.console.print(f"Saved {n} messages and the evicted KV cache ({size:.1f} MiB) to {path}; "
-                               "/load continues it with identical tokens", highlight=False)
-        else:
-            self.console.print(f"Saved {n} messages to {path}", highlight=False)
-
-    def _load(self, arg: str) -> None:
-        if not arg:
-            return self._error("usage: /load FILE")
-        path = Path(_path_arg(arg)).expanduser()
-        keep = "the current conversation is unchanged"
-        if path.is_dir():
-            return self._error(f"could not load: {path} is a folder, not a file written by /save; {keep}")
-        try:
-            data = self.session.read(path)  # validate before touching the current conversation
-        except ChatFileError as e:
-            return self._error(f"could not load: {_one_line(e)}; {keep}")
-        old_settings, old_messages = self.settings(), list(self.session.messages)
-        try:
-            self.apply_settings(data.get("settings") or {})  # before the replay: its prefill runs the gate
-        except ValueError as e:
-            return self._error(f"could not load {path}: bad settings ({_one_line(e)}); {keep}")
-        try:
-            self.session.load(path)  # a load that fails leaves the conversation as it was
-        except (PageLocalError, ValueError, KeyboardInterrupt) as e:
-            self.apply_settings(old_settings)
-            why = "interrupted" if isinstance(e, KeyboardInterrupt) else _one_line(e)
-            if list(self.session.messages) != old_messages:  # only when it could not be put back
-                keep = "the conversation was cleared"
-            return self._error(f"could not load {path}: {why}; {keep}")
-        self.decision = self.result = None  # the cache was replaced: the last turn no longer describes it
-        n = len(self.session.messages)
-        if data.get("cache"):
-            self.replaced = "restored from a cache file"
-            self.console.print(f"Loaded {n} messages and their KV cache ({self.engine.cells_used()} cells, "
-                               f"as saved); {self._settings_line()}", highlight=False)
-        else:
-            self.replaced = "re-prefilled"
-            self.console.print(f"Loaded {n} messages; {self._settings_line()}", highlight=False)
-
-    def _replayed(self, action: Callable[[], object], undo: Callable[[], None], failed: str) -> bool:
+    # --- what the command handlers share ------------------------------------------------------
+    def replayed(self, action: Callable[[], object], undo: Callable[[], None], failed: str) -> bool:
         """Run an action that re-prefills the conversation; on failure undo it, or clear as a last resort.
 
         A replay prefills the whole conversation at once, so one that only fitted thanks to eviction
@@ -501,13 +307,14 @@ class Repl:
             try:
                 undo()
                 hint = "" if isinstance(e, ChatTemplateError) else f" (does it fit in n_ctx {self.engine.n_ctx}?)"
-                self._error(f"{failed}: {e}{hint}; the conversation is as it was")
+                self.error(f"{failed}: {e}{hint}; the conversation is as it was")
             except (PageLocalError, ValueError):
                 self.session.clear()
-                self._error(f"{failed}: {e}; the conversation could not be restored either and was cleared")
+                self.error(f"{failed}: {e}; the conversation could not be restored either and was cleared")
             return False
 
-    def _error(self, msg: str) -> None:
+    def error(self, msg: str) -> None:
+        """A user's mistake or a failed step, in red; the conversation stays usable."""
         self.console.print(Text(msg, style="red"))
 
 
@@ -559,10 +366,3 @@ def terminal_reader(input=None, output=None) -> Callable[[str], str]:
                             input=input, output=output)
     return lambda prompt: session.prompt(prompt)
 
-
-def _cells(engine) -> str:
-    """'42/2048', or with cells parked (engine/parking.py) '580 attended + 1741 set aside/4096'."""
-    parking = getattr(engine, "parking", None)
-    parked = parking.count() if parking is not None else 0
-    used = f"{engine.cells_used()} attended + {parked} set aside" if parked else str(engine.cells_used())
-    return f"{used}/{engine.n_ctx}"
