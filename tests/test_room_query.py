@@ -64,7 +64,8 @@ def test_a_document_longer_than_the_context_keeps_what_its_question_asks(smol, v
 
 
 def test_the_ranking_is_validated(smol):
-    with pytest.raises(ValueError, match=r"must be one of question, recent, question\+generic; got 'oldest'"):
+    with pytest.raises(ValueError,
+                       match=r"must be one of question, recent, question\+generic, bm25, hybrid; got 'oldest'"):
         smol.set_room_ranking("oldest")
     assert smol.room_ranking == "question"
     with pytest.raises(ValueError, match="evictor 'tova' needs last_query, which room-making does not provide"):

@@ -54,12 +54,16 @@ def _plan_text(plan: dict, hours: float | None, source: str) -> str:
 @click.option("--second", is_flag=True,
               help="Second-question mode: after each answer, the next turn asks about another fact of the document "
                    "(rows with turns=2; give them their own --out).")
+@click.option("--haystack", type=click.Choice(["generated", "prose"]), default="generated", show_default=True,
+              help="The documents' text: generated sentences, or real prose (Debian's licences, the Python "
+                   "documentation of python3-doc, GNU manuals; eval/longdoc_prose.py) with half of the questions "
+                   "paraphrased (rows with haystack=prose; give them their own --out).")
 @click.option("--plan-only", is_flag=True, help="Print the plan (and the pilot's estimate) and stop.")
 @click.option("--report", "report", is_flag=True, help="Print the report of --out and run nothing.")
 @threads_option
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @load_options
-def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, seed, out, second, pilot_s,
+def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, seed, out, second, haystack, pilot_s,
                  plan_only, report, threads, quiet, **engine_options):
     """Long documents (2× and 4× n_ctx) with facts spread over them, several questions each: the full cache,
     room on demand, context shift, truncation and llama-server, one reading per document and policy."""
@@ -75,7 +79,7 @@ def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, 
                                  param_hint="'--policies'")
     n_list, l_list = _list(n_ctxs, int, "'--n-ctx'"), _list(lengths, float, "'--lengths'")
     path = resolve_model(model)
-    out = Path(out) if out is not None else default_out(path, second)
+    out = Path(out) if out is not None else default_out(path, second, haystack)
     if report:
         if not out.is_file():
             fail(f"no such rows file: {out}", 2)
@@ -86,7 +90,8 @@ def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, 
     try:
         with one_line_errors(), LongDocRun(path, out, docs=docs, questions=questions, n_ctxs=n_list, lengths=l_list,
                                            policies=policy_list, max_tokens=max_tokens, seed=seed, threads=threads,
-                                           engine_options=engine_options, second=second) as run:
+                                           engine_options=engine_options, second=second,
+                                           haystack=haystack) as run:
             plan = run.plan()
             cell = (max(n_list), max(l_list))
             hours, source, piloted = None, "", 0

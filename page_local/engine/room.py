@@ -46,6 +46,20 @@ again from the first token room-making deleted (reread_from), through room-makin
 the deleted part comes back if the new message asks about it. The cost is that reading again, every message
 while the conversation holds a cut (its time to first token is the long message's again); nothing else changes.
 
+Reading the words too (issue 57; "bm25" and "hybrid"): on real prose a 135M model's attention from a question does
+not single out the fact's sentence among 2 000 tokens of essay (4x n_ctx 512: room 7 of 16 where the full cache
+answered 16). A reader who has to cut a document also looks at the words: each sentence (span) the question's
+probe ranks is also scored by BM25 (Robertson and Zaragoza, "The Probabilistic Relevance Framework: BM25 and
+Beyond", 2009; the bm25s package) over the conversation's sentences, evicted ones included (so that a term's rarity
+is the document's, not what is left of it), with the question's terms (query_text: the message's last sentence that
+asks, the chat template's words left out). "hybrid" keeps whole sentences by (1 - share) x their attention (summed
+over the sentence's cells, as snapkv-spans does, with each cell's best score of the message's cuts) + share x their
+BM25, each divided by its largest over the candidates (word_scores; share: RoomMaker.lexical_share, LEXICAL_SHARE by
+default); "bm25" by BM25 alone, the attention ordering only what no question word reaches (TIE). The probe is
+decoded as for "question": the attention part and the sentences BM25 does not score need it. A second message ranks
+again what is held; what went comes back only by reading again (Engine reread), which then ranks it by the new
+message's words too.
+
 Positions: eviction leaves gaps, and every turn appends after the highest position, so a long chat
 walks past the model's trained context while its cells still fit. close_gaps renumbers the held
 cells 0..n-1 (llama_memory_seq_add; llama.cpp re-rotates the keys as its context shift does).
@@ -53,6 +67,7 @@ cells 0..n-1 (llama_memory_seq_add; llama.cpp re-rotates the keys as its context
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -64,14 +79,22 @@ from page_local.engine.transcript import Transcript
 from page_local.engine.turn import N_SINK, TOP_K, W
 from page_local.errors import ContextFull
 from page_local.evictors import get_evictor
-from page_local.evictors.base import EvictionInput
-from page_local.evictors.spans import sentence_spans
+from page_local.evictors.base import EvictionInput, Evictor
+from page_local.evictors.spans import keep_spans, sentence_spans
 
 LOW_WATER = 0.5  # after making room, the earlier conversation holds at most this fraction of n_ctx
 RECENT = 0.125  # the conversation's latest tokens protected while making room, as a fraction of n_ctx
 RECENT_MAX = 512
 ON_FULL = ("evict", "refuse")
-ROOM_RANKINGS = ("question", "recent", "question+generic")  # what ranks the cells room-making evicts (see above)
+# what ranks the cells room-making evicts (see above)
+ROOM_RANKINGS = ("question", "recent", "question+generic", "bm25", "hybrid")
+# the rankings that read the question's words (issue 57): the share of BM25 in a sentence's score (None: the
+# RoomMaker's lexical_share, LEXICAL_SHARE by default). What share is best is measured: docs/results.md, "Real prose".
+WORD_RANKINGS = {"bm25": 1.0, "hybrid": None}
+LEXICAL_SHARE = 0.5
+TIE = 1e-3  # "bm25": the attention's weight, so that it orders the sentences no question word reaches
+QUERY_TOKENS = 2 * W  # the message's tail in which the question is looked for (query_text)
+QUERY_MIN_WORDS = 3  # a sentence of fewer words ("assistant", a template's header) is not the question
 # "question+generic": the share of the ranked cells that a generic query keeps, the rest the question's, for a
 # later question about another part of the message (issue 43, item 3), and that query: KVzip's reconstruction
 # prompt (Kim et al., arXiv 2505.23416), which asks for all of the context, not one part of it. Measured at 2x
@@ -113,6 +136,54 @@ def check_room_ranking(mode: str) -> str:
     if mode not in ROOM_RANKINGS:
         raise ValueError(f"room ranking must be one of {', '.join(ROOM_RANKINGS)}; got {mode!r}")
     return mode
+
+
+def check_lexical_share(share: float) -> float:
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= float(share) <= 1.0:
+        raise ValueError(f"the lexical share must be a number in [0, 1], got {share!r}")
+    return float(share)
+
+
+def bm25_scores(docs: list[str], query: str) -> np.ndarray:
+    """f64 (len(docs),): each text's BM25 score for the query's terms (bm25s: Lucene's BM25, k1 1.5, b 0.75, English
+    stop words, lower case, words of 2 or more letters or digits; the IDF is the docs'). Zeros when no query term is
+    in any doc."""
+    try:
+        import bm25s
+    except ImportError as e:  # a dependency: only an install that skipped it lacks it
+        raise ImportError("room ranking by the question's words needs the bm25s package (pip install bm25s)") from e
+    out = np.zeros(len(docs), np.float64)
+    if not docs:
+        return out
+    corpus = bm25s.tokenize(list(docs), stopwords="en", return_ids=False, show_progress=False)
+    terms = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
+    vocab = {t for d in corpus for t in d}
+    terms = [t for t in terms if t in vocab]
+    if not terms:
+        return out
+    index = bm25s.BM25()
+    index.index(corpus, show_progress=False)
+    out[:] = index.get_scores(terms)
+    return out
+
+
+def word_scores(attention: np.ndarray, lexical: np.ndarray, spans: np.ndarray, share: float) -> np.ndarray:
+    """f64 (T,): the cells' scores for keep_spans (summed per span) that rank each span by
+    (1 - share) x A_s / max A + share x L_s / max L, where A_s is the span's attention summed over its cells and L_s
+    its lexical score. attention f64 (T,) per cell; lexical f64 (T,), each cell its span's score (spread evenly over
+    the span's cells here); spans i64 (T,). With share 1 the attention still weighs TIE (it orders the spans the
+    lexical score does not reach); a maximum of 0 counts as 1 (that part then adds nothing)."""
+    share = check_lexical_share(share)
+    attention, lexical = np.asarray(attention, np.float64), np.asarray(lexical, np.float64)
+    if not attention.shape == lexical.shape == np.shape(spans):
+        raise ValueError(f"attention {attention.shape}, lexical {lexical.shape} and spans {np.shape(spans)} must align")
+    if attention.size == 0:
+        return attention.copy()
+    _, inv, size = np.unique(spans, return_inverse=True, return_counts=True)
+    a_max = float(np.bincount(inv, weights=attention).max())
+    l_max = float(lexical.max())
+    a_max, l_max = (a_max if a_max > 0 else 1.0), (l_max if l_max > 0 else 1.0)
+    return max(1.0 - share, TIE) * attention / a_max + share * lexical / (l_max * size[inv])
 
 
 def target_cells(n_ctx: int, need: int) -> int:
@@ -206,6 +277,7 @@ class RoomMaker:
         self._evictor = None  # set_evictor; None: ROOM_EVICTOR
         self._pieces: dict[int, str] = {}  # token -> its text, for sentence_spans
         self.generic_share = GENERIC_SHARE  # "question+generic": the generic query's share of the kept cells
+        self.lexical_share = LEXICAL_SHARE  # "hybrid": BM25's share of a sentence's score (set_lexical_share)
 
     def set_evictor(self, name: str, **options) -> None:
         """The evictor that ranks the cells room-making evicts; it may need nothing but the probe."""
@@ -225,9 +297,15 @@ class RoomMaker:
 
     def set_ranking(self, mode: str) -> None:
         """'question' (the default: the message's own last W tokens rank the cells), 'question+generic' (the
-        question ranks 1 - generic_share of the kept cells, GENERIC_QUERY the rest) or 'recent' (the
+        question ranks 1 - generic_share of the kept cells, GENERIC_QUERY the rest), 'bm25' or 'hybrid' (the
+        question's attention and its words: BM25 over the sentences, the module docstring) or 'recent' (the
         conversation's newest queries, the earlier ranking, kept to compare)."""
         self.ranking = check_room_ranking(mode)
+
+    def set_lexical_share(self, share: float) -> None:
+        """'hybrid': the share of BM25 in a sentence's score, in [0, 1] (0: the attention alone, as 'question';
+        1: as 'bm25')."""
+        self.lexical_share = check_lexical_share(share)
 
     @property
     def pos_limit(self) -> int:
@@ -253,6 +331,8 @@ class RoomMaker:
         point = save()
         room = _room()
         question = list(toks[-W:]) if self.ranking != "recent" else None
+        if self.ranking in WORD_RANKINGS:
+            room["query"] = self.query_text(toks)
         try:
             held = ctx.page.positions(0)
             tokens = conv.tokens_at(held)
@@ -321,15 +401,21 @@ class RoomMaker:
                 ev = self.evictor if self.ranking != "recent" else (
                     rules.evictor if rules.evictor.needs <= {"probe"} else get_evictor("snapkv"))
                 probe = self._ranking_probe(held, tokens, probe, question, room)
+                words = bool(question) and self.ranking in WORD_RANKINGS and bool(room.get("query"))
                 # the evictor ranks the unprotected cells only: the protected ones cost it nothing
-                spans = self.spans(conv, cand) if "spans" in ev.needs else None
+                hist_spans = self.history_spans(conv) if "spans" in ev.needs or words else None
+                spans = None if hist_spans is None else hist_spans[conv.indices_of(cand)]
                 n_gen = int(n_rank * self.generic_share) if question and self.ranking == "question+generic" else 0
                 # the best score each cell had at an earlier cut of this message, by the same question
                 best = room["best"] if question and getattr(ev, "prior", None) == "max" else None
                 idx = conv.indices_of(cand) if best is not None else None
                 prior = None if best is None else np.fromiter((best.get(int(i), 0.0) for i in idx), np.float64,
                                                               count=idx.size)
-                keep, inp = select_kept(ev, cand, n_rank - n_gen, probe, spans, rules.seed, prior)
+                if words:
+                    keep, inp = self._select_words(ev, conv, cand, n_rank, probe, hist_spans, spans, rules.seed, prior,
+                                                   room)
+                else:
+                    keep, inp = select_kept(ev, cand, n_rank - n_gen, probe, spans, rules.seed, prior)
                 if best is not None and inp is not None:
                     best.update(zip(idx.tolist(), ev.score(inp).tolist()))  # the larger of the two (prior "max")
                 if n_gen:  # the generic query's share, from what the question's did not keep
@@ -355,10 +441,57 @@ class RoomMaker:
     def spans(self, conv: Transcript, held: np.ndarray) -> np.ndarray:
         """i64 (len(held),): the sentence each held position belongs to, cut from the conversation's whole text
         (evicted tokens included, so that a sentence whose stop was evicted still ends there)."""
+        return self.history_spans(conv)[conv.indices_of(held)]
+
+    def history_spans(self, conv: Transcript) -> np.ndarray:
+        """i64 (len(history),): the sentence of every token of the conversation (sentence_spans)."""
         hist = conv.history
         pieces = [self._piece(t) for t in hist]
-        ids = sentence_spans(pieces, lambda i: self.model.is_control(hist[i]))
-        return ids[conv.indices_of(held)]
+        return sentence_spans(pieces, lambda i: self.model.is_control(hist[i]))
+
+    def query_text(self, toks: list[int]) -> str:
+        """The question in a message's tokens, as text, for the lexical ranking: of the sentences in its last
+        QUERY_TOKENS tokens (control tokens left out), those of at least QUERY_MIN_WORDS words (a chat template's
+        "assistant" is not one), from the last one that asks ("?") to the end, else the last one. "" when none."""
+        tail = [int(t) for t in toks[-QUERY_TOKENS:]]
+        control = [self.model.is_control(t) for t in tail]
+        ids = sentence_spans([self._piece(t) for t in tail], lambda i: control[i])
+        sents: dict[int, list[str]] = {}
+        for t, c, i in zip(tail, control, ids.tolist()):
+            if not c:
+                sents.setdefault(i, []).append(self._piece(t))
+        texts = [" ".join("".join(p).split()) for p in sents.values()]
+        content = [x for x in texts if len(re.findall(r"\w+", x)) >= QUERY_MIN_WORDS]
+        if not content:
+            return ""
+        asked = [i for i, x in enumerate(content) if "?" in x]
+        return " ".join(content[asked[-1] if asked else -1:])
+
+    def _select_words(self, ev, conv: Transcript, cand: np.ndarray, n: int, probe, hist_spans: np.ndarray,
+                      spans: np.ndarray, seed: int, prior: np.ndarray | None,
+                      room: dict) -> tuple[np.ndarray, EvictionInput]:
+        """(i32 (n,): the cells of cand kept, whole sentences by word_scores; the evictor's input, whose score is
+        the attention part): the 'bm25' and 'hybrid' rankings. hist_spans: i64 (len(history),); spans: cand's."""
+        if type(ev).score is Evictor.score:
+            raise ValueError(f"room ranking {self.ranking!r} combines the evictor's score with the question's words; "
+                             f"evictor {ev.name!r} has no score (choose snapkv-spans, the default, or snapkv)")
+        t0 = time.perf_counter()
+        inp = EvictionInput(held=cand, budget=n, window=np.zeros(0, np.int32), n_sink=0, probe=probe, spans=spans,
+                            prior=prior, seed=seed)
+        attention = ev.score(inp)  # f64 (T,): with snapkv-spans' prior "max", each cell's best of the cuts
+        # the conversation's sentences as text (control tokens left out), evicted ones included: BM25's IDF is the
+        # document's, and the same sentence scores the same at every cut
+        hist = conv.history
+        texts: list[list[str]] = [[] for _ in range(int(hist_spans.max()) + 1 if hist_spans.size else 0)]
+        for t, i in zip(hist, hist_spans.tolist()):
+            if not self.model.is_control(int(t)):
+                texts[i].append(self._piece(int(t)))
+        per_span = bm25_scores(["".join(x) for x in texts], room["query"])
+        share = WORD_RANKINGS[self.ranking]
+        score = word_scores(attention, per_span[spans], spans, self.lexical_share if share is None else share)
+        keep = keep_spans(score, spans, np.zeros(cand.size, bool), n)
+        room["words_ms"] += (time.perf_counter() - t0) * 1e3
+        return cand[keep].astype(np.int32), inp
 
     def _piece(self, tok: int) -> str:
         p = self._pieces.get(tok)
@@ -451,6 +584,7 @@ def tell_room(dec: Decision, room: dict, add: bool = False) -> None:
 
 def _room() -> dict:
     """What one room-making did: cells evicted, parts, positions closed, the range evicted, how the cells
-    were ranked and what the question's probe decodes cost."""
+    were ranked and what the question's probe decodes cost. best: history index -> the best score the message's
+    question gave it at a cut; query: the question's text for the lexical ranking, words_ms what that ranking took."""
     return {"evicted": 0, "chunks": 1, "closed": 0, "from": None, "ranking": None, "probes": 0, "probe_ms": 0.0,
-            "best": {}}  # best: history index -> the best score the message's question gave it at a cut
+            "best": {}, "query": "", "words_ms": 0.0}

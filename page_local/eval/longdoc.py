@@ -27,6 +27,13 @@ Policies (POLICIES), greedy answers of at most max_tokens, on the same documents
 * room-best    room-spans, each cell ranked by the larger of its score now and the best one an earlier cut of the
                message gave it (snapkv-spans prior "max": room's default since; room-spans is pinned to prior
                "none", the ranking its rows were made with, as room-reread and room-both are).
+* room-bm25    room-best's reading and cells, its sentences ranked by the question's words: BM25 over the
+               conversation's sentences with the question's terms (room ranking "bm25", engine/room.py; issue 57),
+               the attention ordering only what no question word reaches.
+* room-hybrid  the same, each sentence ranked by a share of each: (1 - room.LEXICAL_SHARE) x its attention +
+               LEXICAL_SHARE x its BM25, each normalised by its largest (room ranking "hybrid").
+* room-hybrid-reread  room-hybrid, and a message after the cut reads the conversation again (as room-reread): the
+               second question ranks what is held and what went by its own attention and words.
 * room-reread  room-spans, and a message after the cut reads the conversation again from the first token room
                made it delete (Engine reread): the same as room-spans on a first question; a second question
                ranks the document again by itself, at the cost of that reading.
@@ -48,6 +55,11 @@ document where its LONGEST question needs it, so that every question of a docume
 for a shorter question Ollama would keep a few more tokens of the document (as many as the questions
 differ in length), llama-server rarely one block more.
 
+Real prose (haystack="prose", `--haystack prose`; issue 57): the same facts and questions in a passage of a real
+text (eval/longdoc_prose.py: Debian's licences, the Python tutorial and HOWTOs of python3-doc, GNU manuals), half of
+each document's questions paraphrased; its rows carry haystack, source, paraphrased and question_text (write them to
+their own file). A missing text is refused before any model is loaded, naming the package that ships it.
+
 The second-question mode (second=True, `--second`; issue 43, item 3): after each question's answer, the next
 turn asks about another fact of the document, two quarters away (q + SECOND, mod FACTS: half of the second
 questions are about a fact before the first one's, half after), in the same conversation, as a
@@ -66,10 +78,8 @@ sentence the cache holds after the answer (what the policy kept, apart from whet
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,93 +91,39 @@ from page_local.engine.engine import Engine
 from page_local.engine.room import ROOM_POOLED, answer_room, part_size
 from page_local.engine.turn import N_SINK
 from page_local.errors import ContextFull
-from page_local.eval.conversations import _document, _prose
+# the documents (longdoc_docs.py), named here too: the run's rows and its tests speak of them as longdoc's
+from page_local.eval.longdoc_docs import (DEPTHS, FACT, FACTS, INTRO, KINDS, QUESTION, Document, Fact,  # noqa: F401
+                                          build_document)
+from page_local.eval.longdoc_prose import build_prose_document
 from page_local.eval.rows import read_rows
-from page_local.tasks import synthetic
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
-POLICIES = ("full", "room", "room-spans", "room-best", "room-reread", "room-both", "room-recent", "shift", "truncate",
-            "server")
+# the room policies that read the question's words too (issue 57): room-best's cells, its spans ranked by BM25 over
+# the question's terms (room-bm25) or by a share of each (room-hybrid); room-hybrid-reread reads again (room-reread)
+WORDS = ("room-bm25", "room-hybrid", "room-hybrid-reread")
+POLICIES = ("full", "room", "room-spans", "room-best") + WORDS + ("room-reread", "room-both", "room-recent", "shift",
+                                                                  "truncate", "server")
 # the policies that run (server: a 400, no run)
-RUN = ("full", "room", "room-spans", "room-best", "room-reread", "room-both", "room-recent", "shift", "truncate")
+RUN = tuple(p for p in POLICIES if p != "server")
 # the policies that make room at the wall
-ROOM = ("room", "room-spans", "room-best", "room-reread", "room-both", "room-recent")
+ROOM = ("room", "room-spans", "room-best") + WORDS + ("room-reread", "room-both", "room-recent")
 # each room policy's evictor: "room" and "room-recent" are pinned to the pooled ranking their rows were made with
 ROOM_EVICTORS = {"room": ROOM_POOLED, "room-recent": ROOM_POOLED, "room-spans": ("snapkv-spans", {"prior": "none"}),
                  "room-best": ("snapkv-spans", {"prior": "max"}), "room-reread": ("snapkv-spans", {"prior": "none"}),
-                 "room-both": ("snapkv-spans", {"prior": "none"})}
-ROOM_RANKING = {"room-recent": "recent", "room-both": "question+generic"}  # else "question"
+                 "room-both": ("snapkv-spans", {"prior": "none"}),
+                 **{p: ("snapkv-spans", {"prior": "max"}) for p in WORDS}}
+ROOM_RANKING = {"room-recent": "recent", "room-both": "question+generic", "room-bm25": "bm25", "room-hybrid": "hybrid",
+                "room-hybrid-reread": "hybrid"}  # else "question"
+REREAD = ("room-reread", "room-hybrid-reread")
+HAYSTACKS = ("generated", "prose")  # the documents' text: generated sentences, or real prose (eval/longdoc_prose.py)
 N_CTXS = (512, 1024)
 LENGTHS = (2, 4)
-FACTS = 4  # facts (and questions) per document: one in each quarter of its depth
 SECOND = 2  # the second-question mode asks about fact (q + SECOND) % FACTS after question q
-DEPTHS = ((0.05, 0.25), (0.3, 0.5), (0.55, 0.75), (0.8, 0.95))
 OLLAMA_NUM_KEEP = 4
 PILOT_QUESTIONS = 3
 # turns: 2 in the second-question mode (absent otherwise, as in the rows written before it existed)
-KEY_FIELDS = ("model", "n_ctx", "length", "policy", "doc", "question", "max_tokens", "seed", "turns")
-INTRO = "Read this document. I will ask you about the codes in it.\n\n"
-# (what, where): the fact "The {what} for the {name} {where} is {code}." and its question
-KINDS = (("door code", "office"), ("vault combination", "archive"), ("locker number", "gym"),
-         ("alarm code", "warehouse"))
-FACT = "The {what} for the {name} {where} is {code}."
-QUESTION = "What is the {what} for the {name} {where}?"
-
-
-# --- documents ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Fact:
-    what: str
-    name: str
-    where: str
-    code: str
-    depth: float  # where in the document: sentence index / sentences
-
-
-@dataclass(frozen=True)
-class Document:
-    index: int
-    n_tokens: int  # the planned prompt: length x n_ctx
-    text: str  # the document, without the question
-    facts: tuple[Fact, ...]
-
-    def message(self, q: int) -> str:
-        return INTRO + self.text + "\n\n" + QUESTION.format(**self.facts[q].__dict__)
-
-
-def _rng(seed: int, *parts) -> random.Random:
-    digest = hashlib.sha256("|".join(map(str, ("longdoc", seed) + parts)).encode()).digest()
-    return random.Random(int.from_bytes(digest[:8], "big"))
-
-
-def build_document(index: int, n_tokens: int, count_tokens: Callable[[str], int],
-                   measure: Callable[[str], int], seed: int = 42) -> Document:
-    """Document `index` of a prompt of about n_tokens tokens (a pure function of the arguments; the same
-    index at the same size is the same document at any n_ctx). count_tokens: text -> tokens (sizes the
-    prose); measure: a message -> tokens of its rendered chat prompt (sizes the markup and the question)."""
-    if n_tokens < 64:
-        raise ValueError(f"a document needs n_tokens >= 64, got {n_tokens!r}")
-    rng = _rng(seed, index)
-    names: list[str] = []
-    while len(names) < FACTS:
-        name = f"{rng.choice(synthetic.ADJECTIVES)} {rng.choice(synthetic.NOUNS)}"
-        if name not in names:
-            names.append(name)
-    codes = [str(c) for c in rng.sample(range(1000, 10000), FACTS)]
-    kinds = rng.sample(KINDS, FACTS)
-    depths = [rng.uniform(lo, hi) for lo, hi in DEPTHS]
-    needles = [FACT.format(what=k[0], name=n, where=k[1], code=c) for k, n, c in zip(kinds, names, codes)]
-
-    def make(prose_tokens: int) -> Document:
-        sents = _prose(prose_tokens, index, count_tokens, seed) if prose_tokens > 0 else []
-        text, placed = _document(sents, needles, depths)
-        facts = tuple(Fact(k[0], n, k[1], c, round(p, 3)) for k, n, c, p in zip(kinds, names, codes, placed))
-        return Document(index, n_tokens, text, facts)
-
-    bare = make(0)
-    overhead = max(measure(bare.message(q)) for q in range(FACTS))
-    return make(max(0, n_tokens - overhead))
+# haystack: "prose" in rows on real prose (absent for generated sentences, as in the rows written before it existed)
+KEY_FIELDS = ("model", "n_ctx", "length", "policy", "doc", "question", "max_tokens", "seed", "turns", "haystack")
 
 
 # --- readings -----------------------------------------------------------------------------------
@@ -270,7 +226,7 @@ def set_policy(eng: Engine, policy: str) -> Engine:
     eng.set_room_ranking(ROOM_RANKING.get(policy, "question"))
     name, options = ROOM_EVICTORS.get(policy, ROOM_POOLED)
     eng.set_room_evictor(name, **options)
-    eng.reread = policy == "room-reread"
+    eng.reread = policy in REREAD
     return eng
 
 
@@ -358,7 +314,8 @@ class LongDocRun:
 
     def __init__(self, model_path, out, docs: int = 25, questions: int = FACTS, n_ctxs: Sequence[int] = N_CTXS,
                  lengths: Sequence[float] = LENGTHS, policies: Sequence[str] = POLICIES, max_tokens: int = 32,
-                 seed: int = 42, threads: int = 2, engine_options: dict | None = None, second: bool = False):
+                 seed: int = 42, threads: int = 2, engine_options: dict | None = None, second: bool = False,
+                 haystack: str = "generated"):
         from page_local.native.pageops import library_dir
         from page_local.store.gguf import gguf_metadata, model_identity
         from page_local.store.tuning import library_signature, machine_signature
@@ -372,6 +329,12 @@ class LongDocRun:
             raise ValueError(f"docs must be >= 1 and n_ctx ints >= 128, got {docs!r}, {list(n_ctxs)!r}")
         if not lengths or any(not L > 1 for L in lengths):
             raise ValueError(f"lengths are multiples of n_ctx above 1 (longer than the context), got {list(lengths)!r}")
+        if haystack not in HAYSTACKS:
+            raise ValueError(f"haystack must be one of {', '.join(HAYSTACKS)}; got {haystack!r}")
+        if haystack == "prose":  # said before any model is loaded: which package ships a missing text
+            from page_local.tasks.realtext import check_available
+            check_available()
+        self.haystack = haystack
         self.model_path, self.out = model_path, Path(out)
         self.docs, self.questions, self.max_tokens, self.seed, self.threads = docs, questions, max_tokens, seed, threads
         self.cells = [Cell(n, float(L)) for n in n_ctxs for L in lengths]
@@ -385,6 +348,8 @@ class LongDocRun:
         self.second = bool(second)
         if self.second:  # a key field only here: the rows of the one-question mode keep their keys
             self.base["turns"] = 2
+        if haystack != "generated":  # likewise: the generated documents' rows keep theirs
+            self.base["haystack"] = haystack
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.done = {_key(r) for r in read_rows(self.out, repair=True)}
         self._engines: dict[str, Engine] = {}
@@ -445,8 +410,17 @@ class LongDocRun:
     def document(self, cell: Cell, d: int) -> Document:
         if (cell.tokens, d) not in self._docs:
             pr = self.prompter
-            self._docs[(cell.tokens, d)] = build_document(d, cell.tokens, pr.count, pr.measure, self.seed)
+            build = build_prose_document if self.haystack == "prose" else build_document
+            self._docs[(cell.tokens, d)] = build(d, cell.tokens, pr.count, pr.measure, self.seed)
         return self._docs[(cell.tokens, d)]
+
+    @staticmethod
+    def words(doc: Document, q: int) -> dict:
+        """A prose document's row fields: the real text it was cut from and whether question q is paraphrased
+        (with its words); {} for generated documents (their rows as before)."""
+        if not doc.source:
+            return {}
+        return dict(source=doc.source, paraphrased=doc.paraphrased[q], question_text=doc.question(q))
 
     # running
     def run_unit(self, cell: Cell, d: int, policy: str, qs: Iterable[int], write: Callable[[dict], None]) -> None:
@@ -456,7 +430,8 @@ class LongDocRun:
         if policy == "server":
             for q in qs:
                 n, fact = self.prompter.measure(doc.message(q)), doc.facts[q]
-                write(dict(self.row_base(cell, d, q, policy), kind=fact.what, depth=fact.depth, expected=fact.code,
+                write(dict(self.row_base(cell, d, q, policy), **self.words(doc, q), kind=fact.what, depth=fact.depth,
+                           expected=fact.code,
                            answer="", correct=False, finish="refused", prompt_tokens=n, ttft_s=None,
                            decode_tok_s=None, cost_s=0.0,
                            error=f"400: the prompt ({n} tokens) exceeds the context ({cell.n_ctx})"))
@@ -471,7 +446,8 @@ class LongDocRun:
             fact = doc.facts[q]
             held_share = fact_held(eng, fact)
             correct = string_match_all(normalize_prediction(o["answer"]), [fact.code]) == 1.0
-            row = dict(self.row_base(cell, d, q, policy), kind=fact.what, depth=fact.depth, expected=fact.code,
+            row = dict(self.row_base(cell, d, q, policy), **self.words(doc, q), kind=fact.what, depth=fact.depth,
+                       expected=fact.code,
                        answer=o["answer"], correct=correct, finish=o["finish"], gen_tokens=o["gen_tokens"],
                        ttft_s=round(shared_s + o["first_s"], 4), decode_tok_s=o["decode_tok_s"],
                        shared_s=round(shared_s, 4), own_s=round(o["own_s"], 4),
@@ -480,12 +456,13 @@ class LongDocRun:
                        room_evicted=o["room_evicted"], chunks=o["chunks"], fact_held=held_share)
             if self.second:  # the next turn: the fact two quarters away (as often before the first as after it)
                 q2 = (q + SECOND) % FACTS
-                o2 = ask_next(eng, self.prompter, doc.message(q), o["answer"],
-                              QUESTION.format(**doc.facts[q2].__dict__), self.max_tokens)
+                o2 = ask_next(eng, self.prompter, doc.message(q), o["answer"], doc.question(q2), self.max_tokens)
                 f2 = doc.facts[q2]
                 row["second_fact_held"] = fact_held(eng, doc.facts[q2])
                 if o2["reread"]:
                     row["second_reread"] = o2["reread"]
+                if doc.paraphrased:
+                    row["second_paraphrased"] = doc.paraphrased[q2]
                 row.update(second=q2, second_kind=f2.what, second_depth=f2.depth, second_expected=f2.code,
                            second_answer=o2["answer"], second_ttft_s=round(o2["first_s"], 4),
                            second_correct=string_match_all(normalize_prediction(o2["answer"]), [f2.code]) == 1.0,
@@ -555,5 +532,6 @@ class LongDocRun:
         self.close()
 
 
-def default_out(model_path: str | os.PathLike, second: bool = False) -> Path:
-    return Path(f"results/longdoc-{Path(model_path).stem}{'-second' if second else ''}.jsonl")
+def default_out(model_path: str | os.PathLike, second: bool = False, haystack: str = "generated") -> Path:
+    prose = "-prose" if haystack == "prose" else ""
+    return Path(f"results/longdoc{prose}-{Path(model_path).stem}{'-second' if second else ''}.jsonl")

@@ -9,6 +9,8 @@ question (the shared reading divided among the document's questions, plus the qu
 the second-question mode (turns=2) are summarized apart, with the second question's accuracy and its pairs.
 Beside accuracy: how often the asked fact's sentence was held whole (fact_held 1: what the policy kept, apart
 from whether the model answered with it), and the right answers by the fact's quarter of the document's depth.
+Rows on real prose (haystack=prose, eval/longdoc_prose.py) are summarized apart from generated documents', with the
+right answers split by the question's wording: the fact's own words, or paraphrased.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ LABEL = {"full": "full cache", "room": "room, ranked by the question, pooled cel
          "room-best": "room, ranked by the question, whole sentences, best score of each cut (default)",
          "room-reread": "room, whole sentences, read again for the next message",
          "room-both": "room, ranked by the question and a generic query, whole sentences",
+         "room-bm25": "room, whole sentences ranked by the question's words (BM25)",
+         "room-hybrid": "room, whole sentences ranked by the question's attention and words (hybrid)",
+         "room-hybrid-reread": "room, hybrid, read again for the next message",
          "room-recent": "room, ranked by the newest queries", "shift": "context shift (llama.cpp)",
          "truncate": "truncation (Ollama)", "server": "llama-server (400 over the context)"}
 Z95 = 1.959964
@@ -51,15 +56,16 @@ def summarize(rows: list[dict]) -> list[dict]:
     """One entry per (n_ctx, length, policy): n, correct, accuracy, its interval, the pairs against the full
     cache on the same (document, question), median TTFT, tok/s and cost per question; for second questions, their
     median TTFT and how many found their fact's sentence whole in the cache (rows that record it)."""
-    by = defaultdict(dict)  # (model, turns, n_ctx, length, policy) -> {(doc, question): row}
+    by = defaultdict(dict)  # (model, haystack, turns, n_ctx, length, policy) -> {(doc, question): row}
     for r in rows:
-        by[(r["model"], r.get("turns", 1), r["n_ctx"], r["length"], r["policy"])][(r["doc"], r["question"])] = r
+        by[(r["model"], r.get("haystack", "generated"), r.get("turns", 1), r["n_ctx"], r["length"],
+            r["policy"])][(r["doc"], r["question"])] = r
     out = []
     order = {p: i for i, p in enumerate(POLICIES)}
-    for (model, turns, n_ctx, length, policy), qs in sorted(by.items(), key=lambda kv: (
-            kv[0][0], kv[0][1], kv[0][2], kv[0][3], order.get(kv[0][4], 99))):
+    for (model, haystack, turns, n_ctx, length, policy), qs in sorted(by.items(), key=lambda kv: (
+            kv[0][:5], order.get(kv[0][5], 99))):
         k, n = sum(bool(r["correct"]) for r in qs.values()), len(qs)
-        full = by.get((model, turns, n_ctx, length, "full"), {})
+        full = by.get((model, haystack, turns, n_ctx, length, "full"), {})
         both = [q for q in qs if q in full]
         lo, hi = wilson(k, n)
         second = {}
@@ -79,7 +85,11 @@ def summarize(rows: list[dict]) -> list[dict]:
                 qq = quarters[min(QUARTERS - 1, max(0, int(r["depth"] * QUARTERS)))]
                 qq[0] += bool(r["correct"])
                 qq[1] += 1
-        out.append(dict(model=model, turns=turns, n_ctx=n_ctx, length=length, policy=policy, n=n, correct=k,
+        # by the question's wording (prose rows): [right, asked] with the fact's words, and paraphrased
+        wording = {w: [sum(bool(r["correct"]) for r in qs.values() if r.get("paraphrased") is w),
+                       sum(r.get("paraphrased") is w for r in qs.values())] for w in (False, True)}
+        out.append(dict(model=model, haystack=haystack, wording=wording, turns=turns, n_ctx=n_ctx, length=length,
+                        policy=policy, n=n, correct=k,
                         whole=sum(r["fact_held"] == 1 for r in qs.values() if "fact_held" in r),
                         recorded=sum("fact_held" in r for r in qs.values()), quarters=quarters,
                         accuracy=k / n if n else None, ci=(lo, hi), paired=len(both),
@@ -103,11 +113,18 @@ def markdown(summary: list[dict]) -> str:
     for m in models:
         if len(models) > 1:
             lines += [f"## {m}", ""]
-        for turns in sorted({s.get("turns", 1) for s in summary if s["model"] == m}):
-            part = [s for s in summary if s["model"] == m and s.get("turns", 1) == turns]
-            lines += _turns_table(part, turns)
-            if turns == 1:
-                lines += _quarters_table(part)
+        for hay in sorted({s.get("haystack", "generated") for s in summary if s["model"] == m}):
+            if hay != "generated":
+                lines += [f"### On {'real prose' if hay == 'prose' else hay}", ""]
+            for turns in sorted({s.get("turns", 1) for s in summary if s["model"] == m}):
+                part = [s for s in summary if s["model"] == m and s.get("turns", 1) == turns
+                        and s.get("haystack", "generated") == hay]
+                if not part:
+                    continue
+                lines += _turns_table(part, turns)
+                if turns == 1:
+                    lines += _quarters_table(part)
+                    lines += _wording_table(part)
     lines.append("llama-server's row is 0 by definition: a prompt over the context is refused (400); nothing runs.")
     return "\n".join(lines) + "\n"
 
@@ -125,6 +142,22 @@ def _quarters_table(summary: list[dict]) -> list[str]:
         return []
     return ["Right answers by the fact's quarter of the document's depth:", "",
             _table(("n_ctx", "length", "policy", "first · second · third · last quarter"), rows), ""]
+
+
+def _wording_table(summary: list[dict]) -> list[str]:
+    """Right answers by the question's wording (rows that record it: real prose), per policy."""
+    rows = []
+    for s in summary:
+        w = s.get("wording") or {}
+        (ke, ne), (kp, np_) = w.get(False, (0, 0)), w.get(True, (0, 0))
+        if s["policy"] != "server" and ne + np_:
+            rows.append((s["n_ctx"], f"{s['length']:g}×", LABEL.get(s["policy"], s["policy"]),
+                         f"{ke}/{ne}", _acc(ke, ne, wilson(ke, ne)), f"{kp}/{np_}", _acc(kp, np_, wilson(kp, np_))))
+    if not rows:
+        return []
+    return ["Right answers by the question's wording (the fact's own words, or paraphrased):", "",
+            _table(("n_ctx", "length", "policy", "same words", "accuracy (95 % Wilson)", "paraphrased",
+                    "accuracy (95 % Wilson)"), rows), ""]
 
 
 def _turns_table(summary: list[dict], turns: int) -> list[str]:
