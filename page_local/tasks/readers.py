@@ -5,7 +5,7 @@ Two row formats:
   {"index", "input", "outputs", "length"} with the answer prefix left at the end of "input"
   (newer builds store it in "answer_prefix" instead). The input is split as kvpress does: the
   question starts at the last match of the task's question anchor, the prefix at the first
-  "The special magic" (niah) or "Answer:" (vt, cwe, fwe, qa) after it (tasks.split_ruler_input).
+  "The special magic" (niah) or "Answer:" (vt, cwe, fwe, qa) after it (templates.split_ruler_input).
   Use inputs built with RULER's "base" model template: chat markup would stay in the prompt.
 * kvpress rows (HF `simonjegou/ruler`): {"context", "question", "answer_prefix", "answer" (list),
   "task", "max_new_tokens"}, as .jsonl or .json (a list of rows, or a dict of equal-length
@@ -22,7 +22,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from page_local.tasks.synthetic import FAMILY_MAX_NEW_TOKENS, QUESTION_PATTERNS, Sample, family, metric_for, split_ruler_input
+from page_local.tasks.sample import Sample
+from page_local.tasks.templates import FAMILY_MAX_NEW_TOKENS, QUESTION_PATTERNS, family, metric_for, split_ruler_input
 
 RULER_KEYS = ("input", "outputs")
 KVPRESS_KEYS = ("context", "question", "answer_prefix", "answer", "task")

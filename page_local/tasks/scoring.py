@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Sequence
 
-from page_local.tasks.synthetic import Sample
+from page_local.tasks.sample import Sample
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
