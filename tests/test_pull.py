@@ -396,3 +396,53 @@ def test_a_pull_stopped_half_way_leaves_nothing(hub, tmp_path):
         pull.pull(f"{SMOL_REPO}:Q4_1", stop)
     assert listed() == [] and leftovers(tmp_path) == []
     assert not list((tmp_path / "hf").rglob(SMOL_FILE))
+
+
+# --- serve: what is on this machine, and Ollama's /api/pull --------------------------------------
+
+def test_serve_lists_the_machine_and_pulls(hub, smollm2_path, tmp_path):
+    """/v1/models and /api/tags list the served model first, then the others on this machine (not loaded);
+    /api/pull fetches from the (stand-in) Hub with Ollama's status lines, or refuses with the reason."""
+    import time
+
+    from starlette.testclient import TestClient
+
+    from page_local.serve import model_routes
+    from page_local.serve.app import create_app
+    from page_local.serve.backend import Backend, Settings
+
+    model_routes.forget_others()
+    backend = Backend(Settings(model_path=smollm2_path, served_name="smollm2", n_ctx=256, threads=1))
+    with TestClient(create_app(backend)) as c:
+        deadline = time.monotonic() + 60
+        while c.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [m["name"] for m in c.get("/api/tags").json()["models"]] == ["smollm2:latest"]
+
+        r = c.post("/api/pull", json={"model": f"hf.co/{SMOL_REPO}:Q4_1"})
+        lines = [json.loads(x) for x in r.text.splitlines()]
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+        statuses = [x.get("status") for x in lines]
+        assert statuses[0] == "pulling manifest" and statuses[-1] == "success", lines
+        assert f"pulling {SMOL_FILE}" in statuses and "verifying sha256 digest" in statuses
+        last = next(x for x in reversed(lines) if x.get("status") == f"pulling {SMOL_FILE}")
+        assert last["completed"] == last["total"] == smollm2_path.stat().st_size
+
+        tags = c.get("/api/tags").json()["models"]
+        assert [m["name"] for m in tags] == ["smollm2:latest", f"{SMOL_REPO}:Q4_1"]
+        assert tags[1]["details"]["quantization_level"] == "Q4_1" and tags[1]["size"] == smollm2_path.stat().st_size
+        cards = c.get("/v1/models").json()["data"]
+        assert cards[0]["id"] == "smollm2" and "loaded" not in cards[0]["page_local"]
+        assert cards[1]["id"] == f"{SMOL_REPO}:Q4_1" and cards[1]["page_local"]["loaded"] is False
+        assert cards[1]["page_local"]["n_ctx_train"] == 8192
+
+        r = c.post("/api/chat", json={"model": f"{SMOL_REPO}:Q4_1", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and "is on this machine but this server runs 'smollm2'" in r.json()["error"]
+        assert f"page-local serve --model {SMOL_REPO}:Q4_1" in r.json()["error"]
+
+        r = c.post("/api/pull", json={"model": "llama3.2:3b"})
+        assert r.status_code == 400 and "does not download from Ollama's library" in r.json()["error"]
+        r = c.post("/api/pull", json={"model": "nobody/Nothing-GGUF", "stream": False})
+        assert r.status_code == 500 and "no model repository nobody/Nothing-GGUF" in r.json()["error"]
+        r = c.post("/api/pull", json={"model": f"{SMOL_REPO}:Q5_K_M"})  # streamed: the error is the last line
+        assert json.loads(r.text.splitlines()[-1])["error"].startswith(f"{SMOL_REPO} has no Q5_K_M file; it has Q4_1")

@@ -5,6 +5,11 @@
     POST /v1/embeddings   OpenAI's: {"input": a string, a list of them, token ids or lists of them} -> vectors
     GET  /props           llama-server's: the defaults, the slots, the model's file, chat template and its caps
 
+`others(backend)` gives the models on this machine besides the served one (registered and installed, or found
+in the Hugging Face cache, llama.cpp's cache, LM Studio and Ollama: store/discover.py), which /v1/models and
+Ollama's /api/tags list after it; this server runs only its own, and a request naming another gets a 404
+that says how to serve that one.
+
 An embedding is the served model's final hidden states, mean-pooled over the input's tokens and
 L2-normalised (native/embed.py), what llama-server returns for a generative model with mean pooling.
 It runs on a small context of its own, so no slot's conversation cache is touched, and it does not
@@ -17,6 +22,8 @@ import asyncio
 import base64
 import json
 import threading
+import time
+from pathlib import Path
 
 from page_local.serve.errors import ApiError, bad
 from page_local.serve.http import Gone, read_body, ready, unless_gone
@@ -25,6 +32,65 @@ from page_local.serve.protocol import parse_json
 MAX_INPUTS = 256  # inputs per embeddings request (OpenAI allows 2048; each one is a decode here)
 TOKENIZE_FIELDS = ("content", "add_special", "parse_special", "with_pieces")
 EMBED_FIELDS = ("input", "model", "encoding_format", "user")
+
+
+OTHERS_TTL = 10.0  # seconds a listing of the stores is reused (apps poll /api/tags every few seconds)
+_others: dict = {}  # {"at": monotonic time, "rows": [...]} of the last listing
+
+
+def _machine_models() -> list[dict]:
+    """Every model on this machine that --model can name: registered and installed, then found in the stores."""
+    from page_local.store import discover, models
+
+    rows = []
+    for name in models.REGISTRY:
+        try:
+            path = models.model_path(name)
+        except (OSError, ValueError):
+            continue
+        if path is not None:
+            st = path.stat()
+            try:
+                details = discover.read_details(path)
+            except discover.Unusable:
+                details = None
+            rows.append({"name": name, "store": "registry", "path": path, "size": st.st_size,
+                         "modified": st.st_mtime, "details": details})
+    found, _ = discover.discover()
+    for f in found:
+        rows.append({"name": f.name, "store": f.store, "path": f.path, "size": f.size,
+                     "modified": f.path.stat().st_mtime, "details": f.details()})
+    return rows
+
+
+def forget_others() -> None:
+    """The next listing reads the stores again (after a pull)."""
+    _others.clear()
+
+
+async def others(backend) -> list[dict]:
+    """The models on this machine other than the served one ({"name", "store", "path", "size", "modified",
+    "details": discover's header facts or None}), read off the event loop and reused for OTHERS_TTL seconds; a store that
+    cannot be read costs its models, never the route."""
+    now = time.monotonic()
+    if not _others or now - _others["at"] > OTHERS_TTL:
+        try:
+            rows = await asyncio.to_thread(_machine_models)
+        except OSError:
+            rows = []
+        _others.update(at=now, rows=rows)
+    served = Path(backend.settings.model_path).resolve()
+    return [r for r in _others["rows"] if Path(r["path"]).resolve() != served and r["name"] not in backend.names]
+
+
+def not_loaded(backend, name: str) -> str | None:
+    """For a request naming a model this server does not run: the words saying how to serve it, when the last
+    listing has it (the listing is not read again here)."""
+    for r in _others.get("rows", ()):
+        if r["name"] == name or r["name"] == name.removesuffix(":latest"):
+            return (f"the model {name!r} is on this machine but this server runs {backend.settings.served_name!r}; "
+                    f"serve it with `page-local serve --model {r['name']}`")
+    return None
 
 
 def _known(body: dict, fields: tuple, route: str) -> None:

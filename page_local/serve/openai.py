@@ -1,6 +1,7 @@
 """OpenAI's routes: the model list, chat completions and text completions, streamed (SSE) or not.
 
-    GET  /v1/models               the served model (and /v1/models/{id})
+    GET  /v1/models               the served model, then the others on this machine (model_routes.others), not
+                                  loaded ("page_local": {"loaded": false, ...}); /v1/models/{id}: the served one
     POST /v1/chat/completions     chat, streamed (SSE) or not
     POST /v1/completions          plain text, streamed or not
 
@@ -13,16 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
-from page_local.serve import protocol, tools
+from page_local.serve import model_routes, protocol, tools
 from page_local.serve.backend import Turn
 from page_local.serve.errors import ApiError
 from page_local.serve.http import namespace, read_body, ready, run_turn, sse_response
 
 
 def unknown_model(backend, name: str) -> ApiError:
-    return ApiError(404, f"the model {name!r} is not served here; this server serves "
-                         f"{backend.settings.served_name!r}", "model_not_found", "model")
+    return ApiError(404, model_routes.not_loaded(backend, name) or f"the model {name!r} is not served here; this "
+                    f"server serves {backend.settings.served_name!r}", "model_not_found", "model")
 
 
 def routes(backend) -> list:
@@ -38,7 +40,12 @@ def routes(backend) -> list:
                                "park": s.park, "evictor": s.evictor, "parallel": s.parallel}}
 
     async def models(request):
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        # the served model first (the web page shows data[0]); then the others on this machine, not loaded
+        others = [{"id": r["name"], "object": "model", "created": int(r["modified"]),
+                   "owned_by": r["store"], "page_local": {"loaded": False, "file": Path(r["path"]).name,
+                                                          "size_bytes": r["size"], **(r["details"] or {})}}
+                  for r in await model_routes.others(backend)]
+        return JSONResponse({"object": "list", "data": [model_card(), *others]})
 
     async def model_one(request):
         name = request.path_params["model_id"]
