@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from page_local.native import pageops as native
-from page_local.engine.engine import W, ContextFull, Engine, EngineBusy
-from page_local.engine.turn import AFTER_ANSWER
+from page_local.engine.engine import ContextFull, Engine, EngineBusy
+from page_local.engine.turn import AFTER_ANSWER, W
 from page_local.evictors import EVICTORS
 from page_local.gate import GATE_MODES
 from page_local.store.gguf import model_identity

@@ -23,12 +23,21 @@ reads, parking three quarters of them makes a step ~1.3x faster — on SmolLM2 (
 as measured (bench decode: parked 1.29x the full cache at 2K, 1.59x at 4K), on Qwen2.5-Coder-0.5B (491 MB,
 12 KB a cell) at ~20K (parked 1.12x at 4K, and a chat's passed check at 2.9K cells was 0.92x: docs/benchmarks.md).
 Memory: a parked cell costs what a held one does (--cache-type q8_0 halves both).
+
+Parking is the one object the Engine asks about all of this: it holds whether the speed budget parks (`on`, set
+by Engine.set_park) and from where (`park_from`), and the turn (engine/message.py) calls it before a message
+(`unpark`), after the probe (`ranked`), when the gate decides (`pays`, `note`, `parker`) and when a growing answer
+needs room (`answer_room`); a snapshot saves and loads its cells (`saved`, `load`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 import numpy as np
 
+from page_local.engine.decision import Decision
 from page_local.engine.transcript import Transcript
 from page_local.evictors.lorekv import MAX_FUTURES
 
@@ -47,11 +56,24 @@ def park_from_for(weight_bytes: int, cell_bytes: float) -> int:
     return max(PARK_FROM, int(round(0.5 * weight_bytes / cell_bytes / 256)) * 256)
 
 
-class Parking:
-    """The parked cells of one conversation (sequence 0 of ctx) and how the last ranking scored them."""
+def park_from_of(model, cache_type: str) -> int:
+    """park_from_for a loaded model (native.runtime.Model: its file and shape) under a KV cache type (f16, q8_0,
+    q4_0: store.sizing.CACHE_BYTES)."""
+    from page_local.store.sizing import CACHE_BYTES
 
-    def __init__(self, ctx):
+    head = model.n_embd // model.n_head
+    cell = model.n_layer * model.n_head_kv * 2 * head * CACHE_BYTES[cache_type]
+    return park_from_for(Path(model.path).stat().st_size, cell)
+
+
+class Parking:
+    """The parked cells of one conversation (sequence 0 of ctx), how the last ranking scored them, and the policy
+    over them: on (the speed budget parks instead of evicting for good) and park_from (below it the full cache is
+    kept)."""
+
+    def __init__(self, ctx, on: bool = False, park_from: int = PARK_FROM):
         self.ctx = ctx
+        self.on, self.park_from = bool(on), park_from
         self.scores: dict[int, float] = {}  # parked position -> its score when it was parked (lowest goes first)
         self._ranked: tuple[np.ndarray, np.ndarray] | None = None  # (positions, scores) of the last ranking
 
@@ -63,6 +85,18 @@ class Parking:
 
     def clear(self) -> None:
         self.scores, self._ranked = {}, None
+
+    def switch(self, on: bool, park_from: int, conv: Transcript) -> None:
+        """Park from now on or not, from park_from cells. Switched off, the cells parked come back at once: no
+        message would bring them back any more (the caller holds the conversation: Engine.set_park)."""
+        if not on and self.scores:
+            self.unpark(conv, 0)
+        self.on, self.park_from = bool(on), park_from
+
+    def pays(self, cells: int, park_from: int) -> bool:
+        """Whether evicting for speed pays on a conversation of `cells` cells (below park_from it does not: the
+        full cache is kept)."""
+        return cells >= park_from
 
     def ranked(self, probe) -> None:
         """The scores a message's probe gave every cell (head- and layer-mean attention of its last tokens): what
@@ -119,3 +153,42 @@ class Parking:
                 ctx.page.order(0)
         self.scores = {}
         return restored, dropped
+
+    def parker(self, dec: Decision, reserve: int) -> Callable[[np.ndarray, int], None]:
+        """What a passed check calls to park what its copy dropped (selfcheck.SelfCheck(park=...)) instead of
+        evicting it: the answer's room (reserve, less what is answered) is left after the held cells, and dec
+        says how many are parked."""
+        def park(drop: np.ndarray, answered: int) -> None:
+            self.park(drop, max(0, reserve - answered))
+            dec.parked = self.count()
+        return park
+
+    def answer_room(self, conv: Transcript, reserve: int) -> int | None:
+        """Room for a growing answer from the parked cells, which go for good before any held one (the lowest
+        ranked first), a quarter of the answer's room at a time; the cells are laid out again after. Returns how
+        many went, None when none is parked (room-making then takes earlier turns: room.RoomMaker.for_answer)."""
+        if not self.scores:
+            return None
+        n = self.drop(conv, max(1, reserve // 4))
+        self.lay_out(max(1, reserve // 4))
+        return n
+
+    def saved(self) -> tuple[tuple[int, ...], tuple[float, ...], bytes]:
+        """(parked positions ascending, each one's score, llama.cpp's state of PARK_SEQ) for a snapshot; the
+        state is empty when nothing is parked."""
+        parked = sorted(self.scores)
+        return (tuple(parked), tuple(self.scores[p] for p in parked),
+                self.ctx.seq_state(PARK_SEQ) if parked else b"")
+
+    def load(self, positions: tuple[int, ...], scores: tuple[float, ...], state: bytes) -> bool:
+        """Put saved parked cells back (saved(): sequence 0 already restored); False when the cache does not hold
+        the saved positions afterwards (the caller puts the conversation back as it was). llama.cpp's refusal
+        of the state is raised."""
+        if not positions:
+            return True
+        self.ctx.set_seq_state(state, PARK_SEQ)
+        if tuple(int(p) for p in self.positions()) != tuple(positions):
+            return False
+        self.scores = dict(zip(positions, scores))
+        self.lay_out(0)
+        return True
