@@ -215,6 +215,13 @@ def test_missing_model_file(tmp_path):
         Engine(tmp_path / "nope.gguf")
 
 
+def test_a_registered_model_name_loads_that_model(smollm2_path):
+    """Engine("smollm2") resolves the name as the CLI does (store.models.resolve), not as a file named smollm2."""
+    with Engine("smollm2", n_ctx=256, threads=1, autotune=False) as eng:
+        assert eng.model_id == model_identity(smollm2_path)
+        assert eng.generate("Hello", max_tokens=2).tokens
+
+
 def test_non_gguf_file(tmp_path):
     p = tmp_path / "model.gguf"
     p.write_bytes(b"PK\x03\x04 this is a zip file, not a model" * 100)

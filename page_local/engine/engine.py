@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -122,7 +121,8 @@ class Engine:
         shared = model if isinstance(model, Model) else None
         if shared is not None and shared.closed:
             raise ValueError("the shared Model is closed")
-        path = shared.path if shared is not None else Path(model) if model is not None else models.default_model_path()
+        # a path, a registered model's name, or None (the default): store.models.resolve
+        path = shared.path if shared is not None else models.resolve(model)
         self.set_verify(verify_tokens, verify_threshold, verify_rule)
         self.compact = bool(compact)
         # what a turn that does not fit does: "evict" earlier turns (room.py), or "refuse" (ContextFull)
