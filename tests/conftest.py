@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # `make test` runs test files in parallel processes (pytest-xdist). llama.cpp's CPU threads meet at an
 # OpenMP barrier after every op; libgomp's waiting threads spin by default, and with two processes' threads
@@ -15,6 +16,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # A user's first run on a model measures the attention paths once (engine/attention.py first_use, up to
 # 30 s); the suite's engines skip it (tests/test_attention.py runs it on purpose).
 os.environ.setdefault("PAGE_LOCAL_AUTOTUNE", "off")
+# the disk cache of prompt prefixes (chat, run and serve keep long prompts on disk by default): one folder per run,
+# never the user's
+os.environ.setdefault("PAGE_LOCAL_KV_CACHE_DIR", tempfile.mkdtemp(prefix="page-local-kv-"))
 
 import numpy as np
 import pytest

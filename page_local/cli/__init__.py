@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from page_local.cli.bench import bench_group
+from page_local.cli.cache import cache_cmd
 from page_local.cli.calibrate import calibrate_cmd
 from page_local.cli.chat import chat_cmd
 from page_local.cli.common import show_llama_log
@@ -31,7 +32,7 @@ def main():
 
 
 for _command in (run_cmd, chat_cmd, models_cmd, pull_cmd, calibrate_cmd, inspect_cmd, eval_group, bench_group,
-                 serve_cmd, rpc_server_cmd, tune_cmd):
+                 serve_cmd, rpc_server_cmd, tune_cmd, cache_cmd):
     main.add_command(_command)
 bench_group.add_command(bench_serve_cmd, name="serve")  # beside its server (cli/serve.py)
 eval_group.add_command(eval_longdoc)  # eval longdoc (cli/eval_longdoc.py)

@@ -267,6 +267,31 @@ def context_options(f, auto_n_ctx: bool = False):
     return n_ctx_option(threads_option(load_options(f)), auto=auto_n_ctx)
 
 
+def disk_cache_options(f):
+    """--kv-cache/--no-kv-cache, --kv-cache-dir, --kv-cache-max-gb as one `disk_cache` argument: a
+    store.diskcache.DiskCache, or False (a long prompt read once is kept on disk: engine/prefixes.py)."""
+    @functools.wraps(f)
+    def command(*args, kv_cache: bool, kv_cache_dir: str | None, kv_cache_max_gb: float | None, **kwargs):
+        disk_cache = False
+        if kv_cache:
+            from page_local.store.diskcache import DiskCache
+
+            with one_line_errors():
+                disk_cache = DiskCache(kv_cache_dir, None if kv_cache_max_gb is None else int(kv_cache_max_gb * 2**30))
+        return f(*args, disk_cache=disk_cache, **kwargs)
+
+    command = click.option("--kv-cache-max-gb", "kv_cache_max_gb", default=None, type=click.FloatRange(min=0.01),
+                           help="the disk cache's size limit; the least recently used prompts go first "
+                                "(default: a tenth of the free disk, 1-64 GB)")(command)
+    command = click.option("--kv-cache-dir", "kv_cache_dir", default=None, type=click.Path(file_okay=False),
+                           help="the disk cache's folder (default: $PAGE_LOCAL_KV_CACHE_DIR, else the user cache "
+                                "folder's page-local/kv)")(command)
+    return click.option("--kv-cache/--no-kv-cache", "kv_cache", default=True, show_default=True,
+                        help="keep a prompt of 1 024 tokens or more on disk once read: a later conversation that "
+                             "starts with it (after a restart, in a new chat) reads only the rest "
+                             "(`page-local cache` lists them)")(command)
+
+
 def on_full_option(f):
     return click.option(
         "--on-full", "on_full", default=defaults.ON_FULL, show_default=True, type=click.Choice(["evict", "refuse"]),

@@ -11,6 +11,7 @@ from page_local import defaults
 from page_local.engine import narrate
 from page_local.cli.common import (
     console,
+    disk_cache_options,
     engine_options,
     ladder_option,
     model_option,
@@ -27,13 +28,14 @@ from page_local.cli.common import (
 @prompt_options
 @engine_options
 @ladder_option
+@disk_cache_options
 @click.option("--max-tokens", default=defaults.MAX_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5), help="0 = greedy.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"text", "finish_reason", "decision", "tokens_per_s", "device", "attention"}')
 def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers,
-            rpc, attention_settings, allow_long_context, ladder, max_tokens, temperature, seed, as_json):
+            rpc, attention_settings, allow_long_context, ladder, disk_cache, max_tokens, temperature, seed, as_json):
     """Answer one prompt; with --json, also what the gate and the evictor did."""
     prompt = read_prompt(prompt, prompt_file)
     path = resolve_model(model)
@@ -46,7 +48,7 @@ def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on
             eng = Engine(path, n_ctx=n_ctx, budget=budget, evictor=evictor, gate=gate, threads=threads, seed=seed,
                          verify_tokens=verify_tokens, n_gpu_layers=n_gpu_layers, rpc=rpc,
                          attention_settings=attention_settings, on_full=on_full, ladder=ladder,
-                         allow_long_context=allow_long_context, tune_progress=tune_progress)
+                         allow_long_context=allow_long_context, tune_progress=tune_progress, disk_cache=disk_cache)
         with eng:
             device = eng.placement
             for warning in (eng.profile_warning, eng.attention_warning):

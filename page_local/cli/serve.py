@@ -12,6 +12,7 @@ import click
 
 from page_local.cli.common import (
     chat_engine_options,
+    disk_cache_options,
     fail,
     model_option,
     n_ctx_option,
@@ -93,6 +94,7 @@ def served_name(path, asked: str | None = None) -> str:
 @click.command("serve")
 @model_option
 @chat_engine_options
+@disk_cache_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --api-key.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
@@ -118,7 +120,7 @@ def served_name(path, asked: str | None = None) -> str:
               help="Allow web pages from ORIGIN, e.g. http://localhost:3000 (repeatable; '*' for any). Without it a "
                    "request from another site's page is refused (403), and no CORS headers are sent.")
 def serve_cmd(model, reread, park, park_from, ladder, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads,
-              n_gpu_layers, rpc, attention_settings, allow_long_context, host, port, api_keys, api_key_file, allow_hosts, parallel,
+              n_gpu_layers, rpc, attention_settings, allow_long_context, disk_cache, host, port, api_keys, api_key_file, allow_hosts, parallel,
               queue, cache_mb, max_tokens_limit, max_body_kb, cors_origins):
     """An OpenAI-compatible HTTP server on this machine: /v1/chat/completions, /v1/completions,
     /v1/models, /health. Conversations a client resends are not prefilled again."""
@@ -148,7 +150,7 @@ def serve_cmd(model, reread, park, park_from, ladder, budget, evictor, gate, ver
                         parallel=parallel, queue=queue, cache_bytes=cache_mb * 2**20,
                         max_tokens_limit=max_tokens_limit or 0, max_body_bytes=max_body_kb * 1024, api_keys=keys,
                         cors_origins=cors_origins, host=host, allow_hosts=allow_hosts, park=park,
-                        park_from=park_from, reread=reread, ladder=tuple(ladder))
+                        park_from=park_from, reread=reread, ladder=tuple(ladder), disk_cache=disk_cache or None)
     backend = Backend(settings)
 
     class Server(uvicorn.Server):

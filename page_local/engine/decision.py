@@ -41,6 +41,8 @@ class Decision:
     verify_ms: float | None = None  # the extra batch decode and the comparison
     verify_forced: int | None = None  # tokens decoded on candidates (a failing one stops where it fails;
     # search: the batched first chunks of rungs above the chosen one count too)
+    disk_tokens: int = 0  # prompt tokens restored from the disk cache of prompt prefixes, not read (prefixes.py)
+    disk_ms: float = 0.0  # reading, checking and restoring them
     lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms;
     # lorekv-answer: scoring the prompt by the answer, at the check, in verify_ms)
     gate_note: str | None = None  # a calibrated gate used far outside its pilot's prompt lengths

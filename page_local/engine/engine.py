@@ -41,6 +41,7 @@ from page_local.engine.room import RoomMaker, check_on_full
 from page_local.engine.selfcheck import Backoff, Payback
 from page_local.engine.settings import (SettingError, TurnSettings, check_budget, check_ladder, check_max_tokens,
                                         check_pair, check_park_from, check_verify_tokens, overrides)
+from page_local.engine.prefixes import PrefixDisk
 from page_local.engine.snapshots import Snapshots
 from page_local.engine.transcript import Transcript
 from page_local.engine.turn import Pipeline, supported
@@ -49,6 +50,7 @@ from page_local.evictors import get_evictor
 from page_local.gate import BASE_MODE, Gate, check_gate_mode
 from page_local.native.runtime import Context, ContextConfig, Model
 from page_local.store import models
+from page_local.store.diskcache import namespace_for
 from page_local.store.gguf import model_identity
 from page_local.store.persist import Snapshot
 from page_local.verify import VERIFY_CAP, VERIFY_RULE, check_rule
@@ -100,7 +102,7 @@ class Engine:
                  on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
                  tune_progress=None, n_batch: int = 512,
                  attention_settings: attention.AttentionSettings | None = None, type_kv: str | None = None,
-                 park: bool = False, park_from: int | None = None, reread: bool = False):
+                 park: bool = False, park_from: int | None = None, reread: bool = False, disk_cache=None):
         """model: a GGUF path, None for the embedded default, or a loaded native Model that several engines
         share (a server's slots: one copy of the weights). A shared Model is borrowed: close() leaves it to
         its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own.
@@ -115,7 +117,10 @@ class Engine:
         the cells stay in memory and each message chooses again), from park_from cells on (None: where it pays for
         this model and cache type, parking.park_from_for). reread: a message after one that room-making cut reads
         the conversation again from the first token it deleted, ranked by the new message (room.py, "Reading
-        again"): what the cut deleted can come back for a later question, at the cost of reading it again."""
+        again"): what the cut deleted can come back for a later question, at the cost of reading it again.
+        disk_cache: True (the user's cache folder), a folder, or a store.diskcache.DiskCache: a prompt of 1 024 tokens
+        or more is written there once read, and a later conversation that starts with it restores it instead of
+        reading it again (engine/prefixes.py); None/False: off."""
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < MIN_BATCH:
             raise ValueError(f"n_batch must be an int of at least {MIN_BATCH}, got {n_batch!r}")
         shared = model if isinstance(model, Model) else None
@@ -184,6 +189,7 @@ class Engine:
                                    f"this engine runs flash attention {a.flash_attn} with cache type {a.cache_type}")
         self.messages = Messages(self.ctx, self.model, self.conv, self.pipeline, self.room, self.parking,
                                  self.backoff, self.payback, self.snapshots, self._rewind)  # one turn (message.py)
+        self.messages.disk = PrefixDisk.of(disk_cache, path, self.model_id, self.attention)  # prefixes.py
         self._progress_fn = None  # set_progress
 
     # --- settings (each checked by settings.py's rule) ---------------------------------------
@@ -240,6 +246,11 @@ class Engine:
         check_verify_tokens(tokens)
         rule, threshold = check_rule(rule, threshold)
         self.verify_tokens, self.verify_threshold, self.verify_rule = tokens, threshold, rule
+
+    def set_disk_namespace(self, namespace: str) -> None:
+        """Whose saved prompts the next messages read and write in the disk cache (serve: one per API key)."""
+        if self.messages.disk is not None:
+            self.messages.disk.in_namespace(namespace_for(namespace))
 
     def set_progress(self, fn) -> None:
         """fn: None, or fn(done, total) called after each batch of a turn's prefill (room-making's parts
@@ -465,6 +476,9 @@ class Engine:
         if not self._lock.acquire(blocking=False):
             raise EngineBusy("this Engine is generating in another thread; stop that turn before closing the engine")
         try:
+            disk = getattr(getattr(self, "messages", None), "disk", None)
+            if disk is not None:  # the prompts read are in host memory already: written before the process ends
+                disk.cache.flush()
             if getattr(self, "ctx", None) is not None:
                 self.ctx.close()
                 self.ctx = None

@@ -43,6 +43,8 @@ class Messages:
         self.ctx, self.model, self.conv, self.pipeline, self.room = ctx, model, conv, pipeline, room
         self.parking, self.backoff, self.payback, self.snapshots = parking, backoff, payback, snapshots
         self.rewind = rewind
+        self.disk = None  # prefixes.PrefixDisk: the disk cache of prompt prefixes, when the engine has one
+        self._save = False  # the message being read is written to the disk cache once read (prefixes.py)
 
     # --- a live turn -------------------------------------------------------------------------------
     def answer(self, t: TurnSettings, toks: list[int], max_tokens: int, sampling: Sampling, stream,
@@ -63,11 +65,17 @@ class Messages:
         if again is not None:  # read the conversation again from the first token room-making deleted
             toks = conv.history[again:] + toks
             self.rewind(again)
+        n_msg, from_disk, disk_s = len(toks), 0, 0.0
+        if self.disk is not None and again is None:  # a prefix read before comes from the disk (prefixes.py)
+            toks, from_disk, disk_s = self.disk.restore(ctx, conv, self.parking, self.snapshots, self.rewind, toks,
+                                                        reserve, t.evictor.needs)
+            self._save = self.disk.wants(ctx, conv, self.parking, len(toks))
         self.pipeline.progress = progress_of(progress, len(toks))
         try:
             dec, plan = self.fit(t, toks, reserve, evict_now=not t.verifies)
         finally:
-            self.pipeline.progress = None
+            self.pipeline.progress, self._save = None, False
+        dec.disk_tokens, dec.disk_ms = from_disk, disk_s * 1e3
         if again is not None:
             dec.reread = start - again
         stream.decision = dec
@@ -96,7 +104,7 @@ class Messages:
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
             sampler.close()
             out = loop.out
-            stream.result = Result(self.model.detokenize(out), out, dec, loop.finish, len(toks), loop.seconds,
+            stream.result = Result(self.model.detokenize(out), out, dec, loop.finish, n_msg, loop.seconds,
                                    list(stream.logprobs) if sampling.logprobs is not None else None)
 
     def _answer_room(self, dec: Decision, reserve: int, start: int, t: TurnSettings) -> bool:
@@ -144,6 +152,9 @@ class Messages:
         t0 = time.perf_counter()
         pre = pipe.prefill(toks, pos0, 0, track_attention=select and "prefill_attention" in ev.needs)
         self.conv.extend(toks, pos0)
+        if (self._save and len(toks) >= self.disk.cache.min_tokens  # the whole message read in one part
+                and self.disk.whole(self.ctx, self.conv, self.parking)):
+            self.disk.save(self.snapshots)  # before the gate evicts or parks anything
         if t.park and pre.probe is not None:
             self.parking.ranked(pre.probe)  # every cell's score by this message: which parked ones go first
         # the speed budget is a share of the whole conversation, so a turn evicts only what brings the

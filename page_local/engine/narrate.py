@@ -90,9 +90,15 @@ def status(d: Decision) -> str:
     'gate closed (D 0.0209 < 0.07): full cache of 638 kept', 'full cache kept: 37 tokens, within the speed
     budget of 1024', 'evicted to 159 of 638 (gate always, unchecked)'; parking: 'attending to 580 of 2321 tokens,
     1741 set aside (verified: ...)'."""
-    turn = _turn_status(d)
-    room = room_words(d)
-    return f"{turn}; {room}" if room else turn
+    parts = [_turn_status(d), room_words(d), disk_words(d)]
+    return "; ".join(p for p in parts if p)
+
+
+def disk_words(d: Decision) -> str | None:
+    """'8 192 tokens from the disk cache in 0.3 s' (engine/prefixes.py), or None."""
+    if not d.disk_tokens:
+        return None
+    return f"{d.disk_tokens:,} tokens from the disk cache in {d.disk_ms / 1e3:.1f} s".replace(",", " ")
 
 
 def _turn_status(d: Decision) -> str:
@@ -217,4 +223,8 @@ def why(d: Decision) -> str:
                      "first, and the cells they attend to least went.")
         elif d.room_ranking == "recent":
             text += " They were chosen by the conversation's newest tokens (room ranking 'recent')."
+    if d.disk_tokens:
+        text += (f" The first {d.disk_tokens} tokens of your message were not read: a conversation read them before "
+                 f"and the disk cache kept their cache, restored in {d.disk_ms / 1e3:.1f} s (`page-local cache` lists "
+                 "what it keeps).")
     return f"What happened: {status(d)}.\n{text}\n{note}\nThe engine's record: {d.reason}."

@@ -62,6 +62,7 @@ class Settings:
     parallel: int = 1
     queue: int = 16  # requests waiting for a slot before 503
     cache_bytes: int = 512 * 2**20  # conversation snapshots in host RAM
+    disk_cache: object = None  # store.diskcache.DiskCache: long prompts kept on disk (engine/prefixes.py), or None
     max_tokens_limit: int = 0  # 0: n_ctx
     max_body_bytes: int = 2 * 2**20
     api_key: str | None = None  # one key (the same as api_keys=[key])
@@ -140,7 +141,8 @@ class Backend:
                     extra["park_from"] = s.park_from
                 eng = Engine(self.model, n_ctx=s.n_ctx, budget=s.budget, evictor=s.evictor, gate=s.gate,
                              ladder=s.ladder, threads=s.threads, on_full=s.on_full, attention_settings=s.attention_settings,
-                             allow_long_context=s.allow_long_context, park=s.park, reread=s.reread, **extra)
+                             allow_long_context=s.allow_long_context, park=s.park, reread=s.reread,
+                             disk_cache=s.disk_cache, **extra)
                 self.slots.append(Slot(i, eng, self.cache))
                 if i == 0 and eng.profile_warning:
                     self.warnings.append(eng.profile_warning)
@@ -274,7 +276,8 @@ class Backend:
                 shown.append(rest)
                 emit(("text", rest, lp.take(rest)))
             res = stream.result
-            use = usage(len(tokens), len(res.tokens), reuse.tokens)
+            disk = res.decision.disk_tokens if res.decision is not None else 0  # restored from the disk cache
+            use = usage(len(tokens), len(res.tokens), reuse.tokens + disk)
             self._count(use, cancelled=cancel.is_set(), res=res,
                         evicted=cells + len(tail) + len(res.tokens) - eng.cells_used())
             finished = True
@@ -387,7 +390,9 @@ class Backend:
             decision["summary"] = narrate.summary(res)
             decision["verdict"] = narrate.status(d)  # the status phrase (the REPL's line)
         return {"decision": decision,
-                "cache": {"reused_tokens": reuse.tokens, "source": reuse.source, "reused_evicted": reuse.evicted},
+                "cache": {"reused_tokens": reuse.tokens, "source": reuse.source, "reused_evicted": reuse.evicted,
+                          "disk_tokens": d.disk_tokens if d is not None else 0,
+                          "disk_ms": d.disk_ms if d is not None else 0.0},
                 "settings": {"gate": turn.gate_mode, "budget": turn.budget, "evictor": turn.evictor.name,
                              "verify_tokens": turn.verify_tokens, "on_full": turn.on_full, "park": turn.park},
                 "answer": {"tokens": len(res.tokens), "gen_ms": res.gen_s * 1e3,

@@ -188,6 +188,7 @@ class Slot:
         what is left to prefill (at least one token: the engine needs a token to decode before sampling).
         Another namespace's live conversation is snapshotted (as its own) and replaced."""
         eng = self.engine
+        eng.set_disk_namespace(namespace)  # the disk cache's saved prompts are per API key too
         parked, self.parked = self.parked, False
         n_live = self.live_prefix(tokens, namespace)
         n_snap, key = self.cache.best(tokens, namespace)
