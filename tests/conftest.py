@@ -117,6 +117,10 @@ def cli(smollm2_path, tmp_path, monkeypatch):
     """invoke(*args) -> click Result; the model is the embedded one and the user directory is empty."""
     monkeypatch.setenv("PAGE_LOCAL_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("PAGE_LOCAL_MODEL", raising=False)
+    # the model stores page-local reads (store/discover.py) empty too: what this machine keeps is not listed
+    for var in ("HF_HUB_CACHE", "LLAMA_CACHE", "OLLAMA_MODELS"):
+        monkeypatch.setenv(var, str(tmp_path / "stores" / var.lower()))
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
     runner = CliRunner()
 
     def invoke(*args):

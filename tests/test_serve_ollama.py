@@ -113,7 +113,10 @@ def test_version_tags_show_ps(client, http):
     assert r.status_code == 200 and isinstance(r.json()["version"], str)
 
     models = client.list().models
-    assert [m.model for m in models] == [f"{MODEL}:latest"]
+    # the served model first; after it, other models on this machine (the registered ones installed, the stores
+    # page-local reads), never the served one again
+    assert models[0].model == f"{MODEL}:latest"
+    assert f"{MODEL}:latest" not in [m.model for m in models[1:]]
     m = models[0]
     assert m.size > 0 and len(m.digest) == 64 and m.modified_at is not None
     assert m.details.format == "gguf" and m.details.family == "llama"

@@ -50,7 +50,6 @@ from page_local.evictors import get_evictor
 from page_local.gate import BASE_MODE, Gate, check_gate_mode
 from page_local.native.runtime import Context, ContextConfig, Model
 from page_local.store import models
-from page_local.store.diskcache import namespace_for
 from page_local.store.gguf import model_identity
 from page_local.store.persist import Snapshot
 from page_local.verify import VERIFY_CAP, VERIFY_RULE, check_rule
@@ -118,9 +117,8 @@ class Engine:
         this model and cache type, parking.park_from_for). reread: a message after one that room-making cut reads
         the conversation again from the first token it deleted, ranked by the new message (room.py, "Reading
         again"): what the cut deleted can come back for a later question, at the cost of reading it again.
-        disk_cache: True (the user's cache folder), a folder, or a store.diskcache.DiskCache: a prompt of 1 024 tokens
-        or more is written there once read, and a later conversation that starts with it restores it instead of
-        reading it again (engine/prefixes.py); None/False: off."""
+        disk_cache: True (the user's cache folder), a folder or a DiskCache: a long prompt once read is kept there and a
+        later conversation starting with it restores it, not reads it (engine/prefixes.py); None/False: off."""
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < MIN_BATCH:
             raise ValueError(f"n_batch must be an int of at least {MIN_BATCH}, got {n_batch!r}")
         shared = model if isinstance(model, Model) else None
@@ -249,8 +247,7 @@ class Engine:
 
     def set_disk_namespace(self, namespace: str) -> None:
         """Whose saved prompts the next messages read and write in the disk cache (serve: one per API key)."""
-        if self.messages.disk is not None:
-            self.messages.disk.in_namespace(namespace_for(namespace))
+        PrefixDisk.in_namespace(self.messages.disk, namespace)
 
     def set_progress(self, fn) -> None:
         """fn: None, or fn(done, total) called after each batch of a turn's prefill (room-making's parts
@@ -476,9 +473,7 @@ class Engine:
         if not self._lock.acquire(blocking=False):
             raise EngineBusy("this Engine is generating in another thread; stop that turn before closing the engine")
         try:
-            disk = getattr(getattr(self, "messages", None), "disk", None)
-            if disk is not None:  # the prompts read are in host memory already: written before the process ends
-                disk.cache.flush()
+            PrefixDisk.flush(getattr(getattr(self, "messages", None), "disk", None))  # queued writes land first
             if getattr(self, "ctx", None) is not None:
                 self.ctx.close()
                 self.ctx = None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from page_local.engine.turn import W
 from page_local.errors import StateFileError
-from page_local.store.diskcache import DiskCache, model_key, weights_fingerprint
+from page_local.store.diskcache import DiskCache, model_key, namespace_for, weights_fingerprint
 
 
 class PrefixDisk:
@@ -45,10 +45,17 @@ class PrefixDisk:
         key = model_key(model_id, weights_fingerprint(model_path), attention.cache_type, attention.flash_attn)
         return cls(cache, key)
 
-    def in_namespace(self, namespace: str) -> None:
-        """Whose documents the next messages read and write (serve: the request's API key)."""
-        if self.cache.namespace != namespace:
-            self.cache = self.cache.in_namespace(namespace)
+    def in_namespace(self: PrefixDisk | None, namespace: str) -> None:
+        """Whose documents the next messages read and write (serve: the request's API key, hashed); nothing
+        when the engine has no disk cache (self None: called on the class)."""
+        ns = namespace_for(namespace)
+        if self is not None and self.cache.namespace != ns:
+            self.cache = self.cache.in_namespace(ns)
+
+    def flush(self: PrefixDisk | None) -> None:
+        """Wait for the queued writes (the prompts are in host memory already): before the engine closes."""
+        if self is not None:
+            self.cache.flush()
 
     @staticmethod
     def whole(ctx, conv, parking) -> bool:
