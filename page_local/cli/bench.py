@@ -302,3 +302,40 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_fr
                                        threads=threads, budget=budget, park=park, park_from=park_from,
                                        evictor=evictor, gate=gate, ladder=tuple(ladder), peer_bin=peer_bin, **load),
            describe)
+
+
+@bench_group.command("disk")
+@model_option
+@click.option("--tokens", "lengths", default="2048,4096,8192", show_default=True,
+              help="document lengths in tokens, comma-separated")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
+              help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin)")
+@threads_option
+@json_option('print a JSON list: per length, seconds to the first token of each way (bench/diskcache.py)')
+def bench_disk(model, lengths, repeats, peer_bin, threads, as_json):
+    """Time to the first token of a document asked about again after a restart: page-local from its disk cache,
+    reading it again, its in-memory prompt cache; stock llama-server reading it again and with its slot restore."""
+    from page_local.bench.diskcache import measure
+    from page_local.bench.stock import find_bin
+
+    path = resolve_model(model)
+    try:
+        ns = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{lengths!r} is not a list of token counts", param_hint="'--tokens'") from None
+    with one_line_errors():
+        rows = measure(path, ns, threads, find_bin(peer_bin), repeats)
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    for r in rows:
+        line = (f"{r['tokens']} tokens: from disk {r['disk']:.2f} s, reading again {r['read']:.2f} s "
+                f"({r['read'] / r['disk']:.1f}x), in-memory cache {r['memory']:.2f} s (disk / memory "
+                f"{r['disk'] / r['memory']:.2f}x), first read with the cache {r['first']:.2f} s "
+                f"({r['first'] / r['read']:.3f}x reading without), {r['disk_bytes'] / r['tokens'] * 1024 / 1e6:.1f} "
+                "MB on disk per 1K tokens")
+        if "stock" in r:
+            line += (f"; stock llama-server reading again {r['stock']:.2f} s ({r['stock'] / r['disk']:.1f}x from "
+                     f"disk), its slot restore {r['stock-slot']:.2f} s (read {r['stock-slot-read']} tokens)")
+        click.echo(line)
