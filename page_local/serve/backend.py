@@ -74,7 +74,7 @@ class Settings:
     @property
     def keys(self) -> list[str]:
         keys = list(self.api_keys) + ([self.api_key] if self.api_key else [])
-        return list(dict.fromkeys(keys))  # in order, once each: a key's namespace is its place here
+        return list(dict.fromkeys(keys))  # in order, once each (a key's namespace is a hash of it: guards.KeyGuard)
 
 
 class Backend:

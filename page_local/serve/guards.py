@@ -16,6 +16,7 @@ policies (HostPolicy, OriginPolicy) are plain objects, testable without a server
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 from urllib.parse import urlsplit
@@ -190,11 +191,14 @@ class OriginGuard:
 class KeyGuard:
     """Every route but /health needs `Authorization: Bearer KEY` with one of `keys` (each compared in
     constant time, all of them every time). The request's namespace, scope["state"]["namespace"], is
-    `key1`, `key2`... after the key's place in `keys`, or NO_KEY on a server without keys."""
+    `key-` and a hash of the key, or NO_KEY on a server without keys. A hash, not the key's place in `keys`: the
+    disk cache's folders are named after it (engine/prefixes.py), so after a restart with the keys in another
+    order, or another key in a removed one's place, a key would read (and time) another key's documents."""
 
     def __init__(self, app, keys: list[str] | tuple[str, ...] = ()):
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.names = ["key-" + hashlib.sha256(k).hexdigest()[:16] for k in self.keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -221,7 +225,7 @@ class KeyGuard:
             e = ApiError(401, f"{why}: send the server's key as `Authorization: Bearer KEY`", "invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})
             return await _refuse(e, scope, receive, send)
-        scope.setdefault("state", {})["namespace"] = f"key{found + 1}"
+        scope.setdefault("state", {})["namespace"] = self.names[found]
         return await self.app(scope, receive, send)
 
 
