@@ -179,7 +179,7 @@ def test_json_posts_still_work(server, http):
     r = http.post("/v1/completions", content=b'{"prompt": "The capital of France is", "max_tokens": 2}')
     assert r.status_code == 200, r.text  # no Content-Type at all: read as JSON (see guards.JsonOnly)
     client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEYS[0], max_retries=0, timeout=120)
-    assert [m.id for m in client.models.list()] == ["smollm2"]
+    assert [m.id for m in client.models.list()][0] == "smollm2"  # then the other models on this machine, if any
     out = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=8, temperature=0)
     assert "Paris" in out.choices[0].message.content
 
