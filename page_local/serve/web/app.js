@@ -334,6 +334,9 @@ function metaView(chat, m) {
   stat("tok/s", fmt(ext.answer?.tokens_per_s), "stat-tps");
   stat("TTFT", meta.ttft_ms === undefined ? "–" : `${(meta.ttft_ms / 1000).toFixed(2)} s`, "stat-ttft");
   if (ext.cache) stat("reused", `${ext.cache.reused_tokens} tokens`, "stat-reused");
+  if (ext.cache?.disk_tokens) {  // restored from the disk cache of prompt prefixes (engine/prefixes.py)
+    stat("from disk", `${ext.cache.disk_tokens} tokens in ${(ext.cache.disk_ms / 1000).toFixed(1)} s`, "stat-disk");
+  }
   box.append(stats);
   if (d.verdict) box.append(el("p", "verdict", d.verdict));
   // narrate's summary begins with the verdict: the rest of it (the answer's tokens, speed, how it ended)
