@@ -306,8 +306,8 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_fr
 
 @bench_group.command("disk")
 @model_option
-@click.option("--tokens", "lengths", default="2048,4096,8192", show_default=True,
-              help="document lengths in tokens, comma-separated")
+@click.option("--tokens", "lengths", default="2048,4096,7936", show_default=True,
+              help="document lengths in tokens, comma-separated (each run with n_ctx = length + 256)")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
               help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin)")
@@ -324,12 +324,13 @@ def bench_disk(model, lengths, repeats, peer_bin, threads, as_json):
         ns = [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter(f"{lengths!r} is not a list of token counts", param_hint="'--tokens'") from None
-    with one_line_errors():
-        rows = measure(path, ns, threads, find_bin(peer_bin), repeats)
-    if as_json:
-        click.echo(json.dumps(rows))
-        return
-    for r in rows:
+    rows = []
+    for n in ns:  # each length's line as soon as it is measured
+        with one_line_errors():
+            r = measure(path, [n], threads, find_bin(peer_bin), repeats)[0]
+        rows.append(r)
+        if as_json:
+            continue
         line = (f"{r['tokens']} tokens: from disk {r['disk']:.2f} s, reading again {r['read']:.2f} s "
                 f"({r['read'] / r['disk']:.1f}x), in-memory cache {r['memory']:.2f} s (disk / memory "
                 f"{r['disk'] / r['memory']:.2f}x), first read with the cache {r['first']:.2f} s "
@@ -339,3 +340,5 @@ def bench_disk(model, lengths, repeats, peer_bin, threads, as_json):
             line += (f"; stock llama-server reading again {r['stock']:.2f} s ({r['stock'] / r['disk']:.1f}x from "
                      f"disk), its slot restore {r['stock-slot']:.2f} s (read {r['stock-slot-read']} tokens)")
         click.echo(line)
+    if as_json:
+        click.echo(json.dumps(rows))
