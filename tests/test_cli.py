@@ -265,8 +265,14 @@ BENCHES = {
              and all(t["page_local"]["cells"] < 256 < r["full_n_ctx"] for t in r["per_turn"])
              and r["ttft_ratio"] > 0 and r["tok_s_ratio"] > 0
              and r["stock_source"] is None and "stock" not in r["per_turn"][0]),  # tests set no stock build
+    # a 1 100-token document: written by the first engine, restored by the next (the cache's minimum is 1 024)
+    "disk": (["--tokens", "1100", "--repeats", "1"],
+             {"bench", "model", "threads", "repeats", "cache_type", "rows"},
+             lambda r: r["cache_type"] == "f16" and len(r["rows"]) == 1 and r["rows"][0]["tokens"] == 1100
+             and all(r["rows"][0][k] > 0 for k in ("read", "first", "disk", "memory", "disk_bytes"))
+             and "stock" not in r["rows"][0]),  # tests set no stock build
 }
-SLOW = {"peer": pytest.mark.slow, "memory": pytest.mark.slow}
+SLOW = {"peer": pytest.mark.slow, "memory": pytest.mark.slow, "disk": pytest.mark.slow}
 
 
 def test_every_bench_subcommand_is_tested(cli):

@@ -51,20 +51,24 @@ def _ttft(eng, prompt: list[int]) -> tuple[float, list[int]]:
     return dt, stream.result
 
 
-def measure(model_path: Path, lengths: list[int], threads: int, peer_bin: Path | None, repeats: int = 1) -> list[dict]:
+def measure(model_path: Path, lengths: list[int], threads: int, peer_bin: Path | None, repeats: int = 1,
+            cache_type: str = "f16") -> list[dict]:
+    """Per length, the median seconds of each way. The two engines' pairs (reading again then the in-memory cache;
+    the first read with the cache then the restart from it) alternate which goes first, repeat by repeat."""
     from page_local import Engine
     from page_local.store.diskcache import DiskCache
 
     rows = []
     for n in lengths:
         n_ctx = n + 256
-        kw = dict(n_ctx=n_ctx, threads=threads, budget=1.0, gate="never")
-        row: dict = {"tokens": n}
-        for _ in range(repeats):
-            folder = tempfile.mkdtemp(prefix="page-local-bench-kv-")
+        kw = dict(n_ctx=n_ctx, threads=threads, budget=1.0, gate="never", cache_type=cache_type)
+        row: dict = {"tokens": n, "cache_type": cache_type}
+        with Engine(model_path, disk_cache=False, **kw) as e:
+            doc = document(e.model, n)
+            q1, q2 = e.model.tokenize(Q1, add_special=False), e.model.tokenize(Q2, add_special=False)
+
+        def without():
             with Engine(model_path, disk_cache=False, **kw) as e:
-                doc = document(e.model, n)
-                q1, q2 = e.model.tokenize(Q1, add_special=False), e.model.tokenize(Q2, add_special=False)
                 t, _ = _ttft(e, doc + q2)
                 row.setdefault("read", []).append(t)
                 e.reset()
@@ -76,6 +80,9 @@ def measure(model_path: Path, lengths: list[int], threads: int, peer_bin: Path |
                 e.rewind(len(doc))
                 _ttft(e, q2)
                 row.setdefault("memory", []).append(time.perf_counter() - t0)
+
+        def with_disk():
+            folder = tempfile.mkdtemp(prefix="page-local-bench-kv-")
             disk = DiskCache(folder, max_bytes=1 << 40)
             with Engine(model_path, disk_cache=disk, **kw) as e:
                 t, _ = _ttft(e, doc + q1)
@@ -87,31 +94,37 @@ def measure(model_path: Path, lengths: list[int], threads: int, peer_bin: Path |
                     raise BenchError(f"the disk cache restored {res.decision.disk_tokens} of {n} tokens")
                 row.setdefault("disk", []).append(t)
             disk.clear()
+
+        for i in range(repeats):
+            for step in ((without, with_disk) if i % 2 == 0 else (with_disk, without)):
+                step()
         if peer_bin is not None:
-            row.update(_stock(peer_bin, model_path, doc, q1, q2, n_ctx, threads))
+            row.update(_stock(peer_bin, model_path, doc, q1, q2, n_ctx, threads, cache_type))
         rows.append({k: statistics.median(v) if isinstance(v, list) else v for k, v in row.items()})
     return rows
 
 
-def _stock(peer_bin: Path, model_path: Path, doc, q1, q2, n_ctx: int, threads: int) -> dict:
+def _stock(peer_bin: Path, model_path: Path, doc, q1, q2, n_ctx: int, threads: int, cache_type: str) -> dict:
     from page_local.bench.stock import StockServer
 
     out = {}
     best = None
-    for fa in ("on", "off"):
-        with StockServer(peer_bin, model_path, n_ctx, threads, fa) as s:
+    for fa in ("on", "off") if cache_type == "f16" else ("on",):  # a quantized V cache needs flash attention
+        with StockServer(peer_bin, model_path, n_ctx, threads, fa, cache_type=cache_type) as s:
             t0 = time.perf_counter()
             s.complete(doc + q2, 1)
             t = time.perf_counter() - t0
         best = t if best is None else min(best, t)
     out["stock"] = best
     slots = tempfile.mkdtemp(prefix="page-local-bench-slots-")
-    with StockServer(peer_bin, model_path, n_ctx, threads, "on", cache_prompt=True, slot_save_path=slots) as s:
+    with StockServer(peer_bin, model_path, n_ctx, threads, "on", cache_prompt=True, slot_save_path=slots,
+                     cache_type=cache_type) as s:
         s._request("POST", "/completion", {"prompt": doc + q1, "n_predict": 1, "cache_prompt": True})
         status, _ = s._request("POST", "/slots/0?action=save", {"filename": "doc.bin"})
         if status != 200:
             raise BenchError(f"stock llama-server refused to save its slot (HTTP {status})")
-    with StockServer(peer_bin, model_path, n_ctx, threads, "on", cache_prompt=True, slot_save_path=slots) as s:
+    with StockServer(peer_bin, model_path, n_ctx, threads, "on", cache_prompt=True, slot_save_path=slots,
+                     cache_type=cache_type) as s:
         t0 = time.perf_counter()  # after the restart: restore by file name, then the new question
         status, _ = s._request("POST", "/slots/0?action=restore", {"filename": "doc.bin"})
         if status != 200:

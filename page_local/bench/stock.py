@@ -49,11 +49,11 @@ class StockServer:
     """llama-server in a child process on a free loopback port, one slot, no web UI."""
 
     def __init__(self, bin_dir: Path, model: Path, n_ctx: int, threads: int, flash_attn: str,
-                 cache_prompt: bool = False, slot_save_path: str | None = None):
+                 cache_prompt: bool = False, slot_save_path: str | None = None, cache_type: str = "f16"):
         self.port = _free_port()
         cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads), "-fa", flash_attn, "-np", "1",
-               "--no-webui"] + ([] if cache_prompt else ["--no-cache-prompt"])
+               "--no-webui", "-ctk", cache_type, "-ctv", cache_type] + ([] if cache_prompt else ["--no-cache-prompt"])
         if slot_save_path:  # POST /slots/0?action=save|restore by file name (llama-server's manual slot files)
             cmd += ["--slot-save-path", str(slot_save_path)]
         # (llama.cpp's warm-up stays on: page-local's benches warm up too)

@@ -308,12 +308,16 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_fr
 @model_option
 @click.option("--tokens", "lengths", default="2048,4096,7936", show_default=True,
               help="document lengths in tokens, comma-separated (each run with n_ctx = length + 256)")
-@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
+              help="runs per length (medians; the orders alternate)")
+@click.option("--cache-type", default="f16", show_default=True, type=click.Choice(["f16", "q8_0"]),
+              help="the KV cache's type, page-local's and stock's")
 @click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
               help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin)")
 @threads_option
-@json_option('print a JSON list: per length, seconds to the first token of each way (bench/diskcache.py)')
-def bench_disk(model, lengths, repeats, peer_bin, threads, as_json):
+@json_option('print one JSON object: "rows", per length the seconds to the first token of each way '
+             '(bench/diskcache.py)')
+def bench_disk(model, lengths, repeats, cache_type, peer_bin, threads, as_json):
     """Time to the first token of a document asked about again after a restart: page-local from its disk cache,
     reading it again, its in-memory prompt cache; stock llama-server reading it again and with its slot restore."""
     from page_local.bench.diskcache import measure
@@ -327,11 +331,11 @@ def bench_disk(model, lengths, repeats, peer_bin, threads, as_json):
     rows = []
     for n in ns:  # each length's line as soon as it is measured
         with one_line_errors():
-            r = measure(path, [n], threads, find_bin(peer_bin), repeats)[0]
+            r = measure(path, [n], threads, find_bin(peer_bin), repeats, cache_type)[0]
         rows.append(r)
         if as_json:
             continue
-        line = (f"{r['tokens']} tokens: from disk {r['disk']:.2f} s, reading again {r['read']:.2f} s "
+        line = (f"{r['tokens']} tokens ({cache_type}): from disk {r['disk']:.2f} s, reading again {r['read']:.2f} s "
                 f"({r['read'] / r['disk']:.1f}x), in-memory cache {r['memory']:.2f} s (disk / memory "
                 f"{r['disk'] / r['memory']:.2f}x), first read with the cache {r['first']:.2f} s "
                 f"({r['first'] / r['read']:.3f}x reading without), {r['disk_bytes'] / r['tokens'] * 1024 / 1e6:.1f} "
@@ -341,4 +345,5 @@ def bench_disk(model, lengths, repeats, peer_bin, threads, as_json):
                      f"disk), its slot restore {r['stock-slot']:.2f} s (read {r['stock-slot-read']} tokens)")
         click.echo(line)
     if as_json:
-        click.echo(json.dumps(rows))
+        click.echo(json.dumps({"bench": "disk", "model": str(path), "threads": threads, "repeats": repeats,
+                               "cache_type": cache_type, "rows": rows}))

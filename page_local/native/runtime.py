@@ -506,14 +506,21 @@ class Context:
     # --- state -------------------------------------------------------------------------------
     def seq_state(self, seq_id: int) -> bytes:
         size = self._lc.llama_state_seq_get_size(self.ptr, seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        n = self._lc.llama_state_seq_get_data(self.ptr, buf, size, seq_id)
+        out = bytearray(size)  # llama.cpp writes into it: one copy of tens of MB, not two
+        n = self._lc.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(out), size, seq_id)
         if n != size:
             raise DecodeError("could not save the sequence state")
-        return bytes(buf)
+        return out
 
-    def set_seq_state(self, data: bytes, seq_id: int) -> None:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    def set_seq_state(self, data, seq_id: int) -> None:
+        """data: bytes, a bytearray or a view of one (a cache file read); passed to llama.cpp without a copy
+        where it can be (llama.cpp only reads it)."""
+        if isinstance(data, bytes):
+            buf = data
+        else:
+            view = memoryview(data)
+            buf = ((ctypes.c_uint8 * view.nbytes).from_buffer(view) if not view.readonly and view.contiguous
+                   else (ctypes.c_uint8 * view.nbytes).from_buffer_copy(view))
         with llama_log.held() as log:
             if self._lc.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id) == 0:
                 reason = log.reason()

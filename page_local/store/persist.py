@@ -49,7 +49,7 @@ class Snapshot:
     n_ctx: int
     history: tuple[int, ...]  # every token the conversation decoded, evicted ones included
     positions: tuple[int, ...]  # the positions the cache holds (gaps where eviction removed cells)
-    state: bytes  # llama.cpp's sequence state of sequence 0
+    state: bytes  # llama.cpp's sequence state of sequence 0 (bytes-like: a view of a file read)
     history_pos: tuple[int, ...] | None = None  # the position of each history token; None: its index
     parked_state: bytes = b""  # llama.cpp's sequence state of the parking sequence (engine/parking.py)
     parked: tuple[int, ...] = ()  # the positions parked
@@ -82,19 +82,26 @@ def save(snap: Snapshot, path: str | os.PathLike, extra: dict | None = None) -> 
         header.update(parked=list(snap.parked), parked_scores=list(snap.parked_scores),
                       parked_state_bytes=len(snap.parked_state))
     hb = json.dumps(header).encode("utf-8")
-    state = snap.state + snap.parked_state
-    body = MAGIC + struct.pack("<IQ", version, len(hb)) + hb + struct.pack("<Q", len(state)) + state
-    blob = body + hashlib.sha256(body).digest()
+    # written piece by piece and hashed as it goes: a cache of tens of MB is never copied to be joined
+    pieces = (MAGIC + struct.pack("<IQ", version, len(hb)) + hb
+              + struct.pack("<Q", len(snap.state) + len(snap.parked_state)), snap.state, snap.parked_state)
+    h = hashlib.sha256()
     with atomic_write(path, "wb") as f:
-        f.write(blob)
+        for piece in pieces:
+            h.update(piece)
+            f.write(piece)
+        f.write(h.digest())
     return path
 
 
 def read(path: str | os.PathLike) -> tuple[Snapshot, dict]:
     """Parse and verify a cache file; returns (the snapshot, the saved extra). Raises StateFileError."""
     path = Path(path).expanduser()
-    try:
-        blob = path.read_bytes()
+    try:  # read once into one buffer; the state is a view of it, never copied again (tens of MB)
+        with open(path, "rb") as f:
+            blob = bytearray(os.fstat(f.fileno()).st_size)
+            n = f.readinto(blob)
+        del blob[n:]
     except FileNotFoundError:
         raise StateFileError(f"no such file: {path}") from None
     except OSError as e:
@@ -103,7 +110,7 @@ def read(path: str | os.PathLike) -> tuple[Snapshot, dict]:
         raise StateFileError(f"{path} is not a page-local cache file")
     if len(blob) < 4 + 12 + 8 + 32:
         raise StateFileError(f"{path} is truncated")
-    body, digest = blob[:-32], blob[-32:]
+    body, digest = memoryview(blob)[:-32], bytes(blob[-32:])
     if hashlib.sha256(body).digest() != digest:
         raise StateFileError(f"{path} is truncated or corrupt (checksum mismatch)")
     version, hlen = struct.unpack_from("<IQ", body, 4)
@@ -112,7 +119,7 @@ def read(path: str | os.PathLike) -> tuple[Snapshot, dict]:
                              f"{', '.join(map(str, VERSIONS))}")
     off = 16
     try:
-        header = json.loads(body[off : off + hlen].decode("utf-8"))
+        header = json.loads(bytes(body[off : off + hlen]).decode("utf-8"))
         (slen,) = struct.unpack_from("<Q", body, off + hlen)
     except (UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:
         raise StateFileError(f"{path} has a corrupt header ({e})") from None
