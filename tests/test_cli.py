@@ -298,7 +298,7 @@ def test_bench_json_at_a_tiny_size(cli, name, monkeypatch, tmp_path):
 
 BENCH_FUNCTIONS = {"probe": "speed.probe_overhead", "decode": "speed.decode_speedup", "verify": "speed.verify_cost",
                    "forced": "speed.forced_cost", "lorekv": "speed.lorekv_overhead", "memory": "speed.peak_memory",
-                   "peer": "peer.peer_benchmark", "chat": "chat.chat_speed"}
+                   "peer": "peer.peer_benchmark", "chat": "chat.chat_speed", "disk": "diskcache.measure"}
 
 
 @pytest.mark.parametrize("name", list(BENCH_FUNCTIONS), ids=list(BENCH_FUNCTIONS))

@@ -52,16 +52,19 @@ def _ttft(eng, prompt: list[int]) -> tuple[float, list[int]]:
 
 
 def measure(model_path: Path, lengths: list[int], threads: int, peer_bin: Path | None, repeats: int = 1,
-            cache_type: str = "f16") -> list[dict]:
+            n_gpu_layers: int | str | None = None, rpc=None, attention_settings=None) -> list[dict]:
     """Per length, the median seconds of each way. The two engines' pairs (reading again then the in-memory cache;
-    the first read with the cache then the restart from it) alternate which goes first, repeat by repeat."""
+    the first read with the cache then the restart from it) alternate which goes first, repeat by repeat.
+    attention_settings' cache type is stock's too (f16 when none is given)."""
     from page_local import Engine
     from page_local.store.diskcache import DiskCache
 
+    cache_type = attention_settings.cache_type if attention_settings is not None else "f16"
     rows = []
     for n in lengths:
         n_ctx = n + 256
-        kw = dict(n_ctx=n_ctx, threads=threads, budget=1.0, gate="never", cache_type=cache_type)
+        kw = dict(n_ctx=n_ctx, threads=threads, budget=1.0, gate="never", n_gpu_layers=n_gpu_layers, rpc=rpc,
+                  attention_settings=attention_settings)
         row: dict = {"tokens": n, "cache_type": cache_type}
         with Engine(model_path, disk_cache=False, **kw) as e:
             doc = document(e.model, n)

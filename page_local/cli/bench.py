@@ -310,17 +310,18 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_fr
               help="document lengths in tokens, comma-separated (each run with n_ctx = length + 256)")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
               help="runs per length (medians; the orders alternate)")
-@click.option("--cache-type", default="f16", show_default=True, type=click.Choice(["f16", "q8_0"]),
-              help="the KV cache's type, page-local's and stock's")
 @click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
               help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin)")
 @threads_option
+@n_gpu_layers_option
+@attention_options
 @json_option('print one JSON object: "rows", per length the seconds to the first token of each way '
              '(bench/diskcache.py)')
-def bench_disk(model, lengths, repeats, cache_type, peer_bin, threads, as_json):
+def bench_disk(model, lengths, repeats, peer_bin, threads, as_json, **load):
     """Time to the first token of a document asked about again after a restart: page-local from its disk cache,
-    reading it again, its in-memory prompt cache; stock llama-server reading it again and with its slot restore."""
-    from page_local.bench.diskcache import measure
+    reading it again, its in-memory prompt cache; stock llama-server reading it again and with its slot restore
+    (with the same --cache-type)."""
+    from page_local.bench import diskcache
     from page_local.bench.stock import find_bin
 
     path = resolve_model(model)
@@ -328,10 +329,13 @@ def bench_disk(model, lengths, repeats, cache_type, peer_bin, threads, as_json):
         ns = [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter(f"{lengths!r} is not a list of token counts", param_hint="'--tokens'") from None
+    settings = load.get("attention_settings")
+    cache_type = settings.cache_type if settings is not None else "f16"
     rows = []
     for n in ns:  # each length's line as soon as it is measured
         with one_line_errors():
-            r = measure(path, [n], threads, find_bin(peer_bin), repeats, cache_type)[0]
+            r = (diskcache.measure(path, lengths=[n], threads=threads, peer_bin=find_bin(peer_bin), repeats=repeats,
+                                   **load) or [{}])[0]
         rows.append(r)
         if as_json:
             continue
