@@ -40,7 +40,9 @@ import numpy as np
 from page_local.defaults import AUTOTUNE_ENV, AUTOTUNE_S, CACHE_ENV, CACHE_TYPES, FLASH_ATTN, FLASH_ENV
 
 BUSY_CORES = 0.25  # other processes' average use of the cores a tuning needs beyond which it is not kept
-TIE = 0.03  # mean costs within 3 % (or within the timings' spread, if larger) are a tie: on wins it
+TIE = 0.10  # off must cost 10 % less than on (or more than the timings' spread, if larger); else on is kept.
+# Five first-use tunings in a row on a quiet AMD Zen 4 chose off by 3-7 % twice and on three times
+# (scripts/five_tunings.py): differences that size are the host, not the paths.
 TUNE_LENGTHS = (256, 1024, 2048)  # cells at which `page-local tune` times a decode step
 BANDS = (1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -90,13 +92,16 @@ class Attention:
 
 def cost_curve(points: list[tuple[int, float, float]], t: np.ndarray) -> np.ndarray:
     """f64 (len(t),): prefill ms per token + decode ms at each T of t, from the measured points
-    (T ascending), linear between them, constant below the first, and past the last continued along the
-    last segment (never below the last point: decode does not get cheaper as the cache grows)."""
+    (T ascending), linear between them, constant below the first, and past the last continued with the
+    least-squares slope of all the points (never below the last point: decode does not get cheaper as the
+    cache grows). The slope of all points, not of the last segment alone: one slow or fast step at the last
+    length would otherwise set the whole extrapolation to n_ctx (a last point below the one before made a
+    path look flat to 32K cells)."""
     ts = np.array([p[0] for p in points], dtype=np.float64)
     c = np.array([p[1] + p[2] for p in points], dtype=np.float64)
     out = np.interp(t, ts, c)
-    if len(ts) >= 2 and ts[-1] > ts[-2]:
-        slope = max(0.0, (c[-1] - c[-2]) / (ts[-1] - ts[-2]))
+    if len(ts) >= 2 and ts[-1] > ts[0]:
+        slope = max(0.0, float(np.polyfit(ts, c, 1)[0]))
         past = t > ts[-1]
         out[past] = c[-1] + slope * (t[past] - ts[-1])
     return out
@@ -120,15 +125,17 @@ def decide(points: dict, n_ctx: int, lo: int = 0) -> tuple[str, str]:
 
     Flash attention on is the default path (page-local's decode kernel runs there): off is chosen only when
     it is faster beyond the measurement's spread — its mean cost below on's by more than TIE and by more than
-    both settings' relative spreads, and its decode at the longest length measured faster by the same margin
-    (a path without the kernel is never chosen where the kernel decodes faster). Single timings on a 2-core
-    machine flip with the host's noise; this rule does not flip with it."""
+    both settings' relative spreads, and at the longest length measured its decode and its cost (prefill and
+    decode) lower by the same margin (a path without the kernel is never chosen where the kernel decodes, or
+    reads, faster where it was measured). Single timings on a 2-core machine flip with the host's noise; this
+    rule does not flip with it."""
     on, off = mean_cost(points["on"], lo, n_ctx), mean_cost(points["off"], lo, n_ctx)
     measured = max(points["on"][-1][0], points["off"][-1][0])
     reach = "" if n_ctx <= measured else f", extrapolated past the {measured} cells measured"
     margin = max(TIE, noise(points["on"]) + noise(points["off"]))
     dec_on, dec_off = points["on"][-1][2], points["off"][-1][2]
-    if off < on * (1 - margin) and dec_off < dec_on * (1 - margin):
+    last_on, last_off = dec_on + points["on"][-1][1], dec_off + points["off"][-1][1]
+    if off < on * (1 - margin) and dec_off < dec_on * (1 - margin) and last_off < last_on * (1 - margin):
         return "off", (f"tuned: flash attention off ({off:.1f} vs {on:.1f} ms per token read and written over "
                        f"0-{n_ctx} cells{reach}, beyond the {margin:.0%} spread)")
     if on <= off * (1 - margin):
