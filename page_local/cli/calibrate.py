@@ -74,7 +74,7 @@ def calibrate_cmd(model, pilot, n, lengths, chat_template, n_ctx, threads, n_gpu
             raise click.BadParameter(str(e), param_hint="'--pilot'") from None
         if n is not None:
             prompts = prompts[:n]
-    path = common.resolve_model(model)
+    path = common.resolve_model(model, answers="calibrate")
 
     from rich.progress import MofNCompleteColumn, TimeElapsedColumn, TimeRemainingColumn
 

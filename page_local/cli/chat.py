@@ -25,7 +25,7 @@ def chat_cmd(model, reread, park, park_from, budget, evictor, gate, verify_token
              attention_settings, allow_long_context, ladder, disk_cache, system, max_tokens, temperature):
     """Chat with a local model; what the cache went through is shown after each answer (/why explains it)."""
     show_llama_log()  # also when the command is invoked on its own, outside the `page-local` group
-    path = resolve_model(model)
+    path = resolve_model(model, answers="chat")
     n_ctx, _ = sized_n_ctx(path, n_ctx, attention_settings, n_gpu_layers, rpc)
 
     from page_local.engine import Engine

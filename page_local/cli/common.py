@@ -329,11 +329,18 @@ def chat_engine_options(f):
 
 # --- inputs ------------------------------------------------------------------------------------
 
-def resolve_model(model: str | None) -> Path:
+def resolve_model(model: str | None, answers: str | None = None) -> Path:
     """--model (a name, a path, or None) -> a GGUF path (store.models.resolve); exit 1 for a model that is not
-    installed, a name that matches none or several."""
+    installed, a name that matches none or several. answers: the command's name when what it does is read the
+    model's answers (chat, run, serve, eval, calibrate): a synthetic benchmark model (store/synth.py) is refused
+    there, with what to do instead."""
     with one_line_errors():
-        return models.resolve(model)
+        path = models.resolve(model)
+        if answers is not None:
+            from page_local.store.synth import refuse_synthetic
+
+            refuse_synthetic(path, answers)
+        return path
 
 
 def sized_n_ctx(path: Path, n_ctx: int | None, attention_settings, n_gpu_layers, rpc, slots: int = 1) -> tuple[int, str]:

@@ -111,7 +111,7 @@ def eval_run(model, tasks, n, length, budgets, evictors, gates, out, input_path,
         name = Path(str(model)).stem if model else "default"
         out = f"results/eval-{name}-{'input' if input_path else length}.jsonl"
 
-    path = resolve_model(model)
+    path = resolve_model(model, answers="eval")
     t0 = time.perf_counter()
     try:
         # the bar is left first, so that an error's one line is not drawn over
@@ -249,7 +249,7 @@ def eval_conversations(model, n, turns, lengths, n_ctx, policies, budget, evicto
     if out is None:
         name = Path(str(model)).stem if model else "default"
         out = f"results/conversations-{name}-{n_ctx}.jsonl"
-    path = resolve_model(model)
+    path = resolve_model(model, answers="eval")
     t0 = time.perf_counter()
     try:
         with one_line_errors(), _Bar(quiet) as bar:

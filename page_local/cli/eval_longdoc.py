@@ -78,7 +78,7 @@ def eval_longdoc(model, docs, questions, n_ctxs, lengths, policies, max_tokens, 
         raise click.BadParameter(f"unknown policies {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}",
                                  param_hint="'--policies'")
     n_list, l_list = _list(n_ctxs, int, "'--n-ctx'"), _list(lengths, float, "'--lengths'")
-    path = resolve_model(model)
+    path = resolve_model(model, answers="eval longdoc")
     out = Path(out) if out is not None else default_out(path, second, haystack)
     if report:
         if not out.is_file():

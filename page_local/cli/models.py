@@ -42,6 +42,21 @@ def _found_rows() -> tuple[list[dict], list]:
     return rows, skipped
 
 
+def _synth_rows() -> list[dict]:
+    """The synthetic benchmark models written on this machine (store/synth.py)."""
+    from page_local.store import synth
+
+    rows = []
+    for s in synth.SHAPES.values():
+        p = synth.path_of(s.name)
+        if p.is_file():
+            rows.append({"name": synth.PREFIX + s.name, "store": "synthetic", "installed": True, "path": str(p),
+                         "size_bytes": p.stat().st_size, "architecture": s.arch, "quantization": "Q4_K_M",
+                         "n_ctx_train": s.n_ctx_train, "description": f"{s.title} (random weights)",
+                         "default": False})
+    return rows
+
+
 def _size(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
@@ -74,7 +89,7 @@ def models_cmd(ctx, as_json, verbose):
         for s in skipped:
             err.print(f"skipped {s}", markup=False, style="dim")
     if as_json:
-        click.echo(json.dumps(rows + found))
+        click.echo(json.dumps(rows + found + _synth_rows()))
         return
     from rich.table import Table
 
@@ -99,6 +114,16 @@ def models_cmd(ctx, as_json, verbose):
     else:
         console.print("found on this machine: none (looked in the Hugging Face cache, llama.cpp's cache, LM Studio "
                       "and Ollama)", markup=False)
+    written = _synth_rows()
+    if written:
+        console.print()
+        table = Table(box=None, pad_edge=False, title="benchmark models (random weights of a real shape: "
+                      "`page-local bench` only)", title_justify="left")
+        for col in ("name", "shape of", "size", "context", "where"):
+            table.add_column(col, justify="right" if col in ("size", "context") else "left")
+        for r in written:
+            table.add_row(r["name"], r["description"], _size(r["size_bytes"]), str(r["n_ctx_train"]), _where(r["path"]))
+        console.print(table, markup=False)
     env = os.environ.get("PAGE_LOCAL_MODEL")
     default = f"$PAGE_LOCAL_MODEL = {env}" if env else "smollm2"
     console.print(f"* default --model: {default}. --model takes any name above or the path of a GGUF file; "
@@ -137,3 +162,35 @@ def models_install(name, as_json):
         click.echo(json.dumps({"name": name, "path": str(path), "size_bytes": path.stat().st_size}))
     else:
         click.echo(str(path))
+
+
+@models_cmd.command("synth")
+@click.argument("names", metavar="SHAPE...", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help='print a JSON list of {"name", "path", "size_bytes"}')
+def models_synth(names, as_json):
+    """Write a benchmark model of a real shape: the architecture, sizes, vocabulary and trained context of
+    SHAPE with random weights in llama.cpp's Q4_K_M mix, for `page-local bench --model synth:SHAPE` (speed and
+    memory; its text is noise, so chat, run and serve refuse it). Written once, then reused.
+
+    SHAPE: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, mistral-7b, qwen2.5-7b (or `all`)."""
+    from rich.progress import DownloadColumn, TimeRemainingColumn
+
+    from page_local.store import synth
+
+    wanted = list(synth.SHAPES) if "all" in names else list(dict.fromkeys(names))
+    with common.one_line_errors():
+        shapes = [synth.shape(n) for n in wanted]
+    console = common.console(stderr=True)
+    out = []
+    for s in shapes:
+        with common.progress(console, DownloadColumn(), TimeRemainingColumn()) as prog:
+            task = prog.add_task(f"writing synth:{s.name} (~{synth.approx_bytes(s) / 1e9:.1f} GB)",
+                                 total=synth.approx_bytes(s))
+            with common.one_line_errors():
+                path = synth.write(s.name, progress=lambda done, total: prog.update(task, completed=done))
+        out.append({"name": synth.PREFIX + s.name, "path": str(path), "size_bytes": path.stat().st_size})
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        for r in out:
+            click.echo(f"{r['name']}: {r['path']} ({_size(r['size_bytes'])})")

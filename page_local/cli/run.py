@@ -38,7 +38,7 @@ def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on
             rpc, attention_settings, allow_long_context, ladder, disk_cache, max_tokens, temperature, seed, as_json):
     """Answer one prompt; with --json, also what the gate and the evictor did."""
     prompt = read_prompt(prompt, prompt_file)
-    path = resolve_model(model)
+    path = resolve_model(model, answers="run")
 
     from page_local.engine.engine import Engine, Sampling
     from page_local.native.runtime import describe_placement

@@ -137,7 +137,7 @@ def serve_cmd(model, reread, park, park_from, ladder, budget, evictor, gate, ver
         from page_local.serve.backend import Backend, Settings
     except ImportError as e:
         fail(f"{SERVE_EXTRA} ({e})", 1)
-    path = resolve_model(model)
+    path = resolve_model(model, answers="serve")
     with one_line_errors():
         from page_local.native.runtime import check_gguf
 
@@ -234,7 +234,7 @@ def bench_serve_cmd(model, clients, n_requests, max_tokens, parallel, n_ctx, thr
     from page_local.bench.stock import find_bin
     from page_local.serve.bench import describe, serve_benchmark
 
-    path = resolve_model(model)
+    path = resolve_model(model, answers="serve")
     say = None if as_json else (lambda m: click.echo(m, err=True))
     if peer_python:
         from page_local.serve import peer

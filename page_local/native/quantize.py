@@ -17,7 +17,7 @@ from page_local.native import llama_log
 from page_local.native import pageops as native
 
 # llama_ftype values (llama.h)
-FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "f16": 1}
+FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "f16": 1, "q4_k_m": 15}
 
 
 def requantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, threads: int = 2) -> Path:

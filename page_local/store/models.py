@@ -115,6 +115,7 @@ def resolve(model: str | os.PathLike | None) -> Path:
 
     None             $PAGE_LOCAL_MODEL, else the embedded SmolLM2
     a registered NAME (`smollm2`, `qwen2.5-coder`, ...): its installed file
+    synth:SHAPE      a benchmark model of a real shape with random weights (store/synth.py), once written
     a path           an existing file (a path-like object is always taken as a path)
     a found name     a model another tool keeps (store/discover.py): `llama3.2:3b` (Ollama; `llama3.2` is
                      `llama3.2:latest`), `ORG/REPO:QUANT` or `hf.co/ORG/REPO:QUANT` (the Hub's cache, LM Studio,
@@ -131,6 +132,10 @@ def resolve(model: str | os.PathLike | None) -> Path:
     if isinstance(model, os.PathLike):
         return Path(model).expanduser()
     s = str(model)
+    if s.startswith("synth:"):  # a benchmark model of a real shape (store/synth.py)
+        from page_local.store import synth
+
+        return synth.resolve(s)
     if s in REGISTRY:
         p = model_path(s)
         if p is None:
