@@ -84,7 +84,8 @@ def probe_overhead(model_path, tokens: int = 4096, repeats: int = 3, threads: in
 
 def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, new_tokens: int = 64,
                    repeats: int = 3, threads: int = 2, seed: int = 0, n_gpu_layers: int | str | None = None,
-                   peer_bin=None, rpc=None, attention_settings: AttentionSettings | None = None) -> dict:
+                   peer_bin=None, rpc=None, attention_settings: AttentionSettings | None = None,
+                   fill: str = "prefill") -> dict:
     """Time to first token and greedy decode tok/s for one `tokens`-token prompt (a needle text), side by
     side in one run: page-local's own choice of path (engine/attention.py) with the full cache and after the
     engine's eviction (gate forced open, SnapKV) to `budget`; and stock llama.cpp on both flash-attention
@@ -101,6 +102,14 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
     starts from the same cache. The evicted runs do what Engine does when the gate opens: Pipeline.select
     and Pipeline.evict_in_place (evict, compact, re-decode the last prompt token). Also returns the gate
     decision latency: D + gate on the real probe (median).
+
+    fill "state" (issue 54: a long cache without a long prefill, bench/fill.py): page-local reads the prompt's
+    first FILL_SEED tokens, repeats their cells to all but the last W tokens, and reads those W with the probe
+    armed; stock llama-server restores the same cells from a slot file and reads the same W tokens. Decode over
+    the same number of cells; the time to first token is not measured (None), and which cells an eviction keeps
+    means nothing (the repeated cells' attention is noise): speed only. Also returns the memory (RSS) of each
+    engine, and the bound that memory traffic sets on a cache cut to `kept` cells: (weights + K/V of all cells) ÷
+    (weights + K/V of the kept ones).
     """
     import os
 
@@ -109,6 +118,8 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
 
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= W:
         raise ValueError(f"--tokens must be an int above the probe window ({W}), got {tokens!r}")
+    if fill not in FILLS:
+        raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {fill!r}")
     for name, v in (("new_tokens", new_tokens), ("repeats", repeats), ("threads", threads)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
@@ -122,12 +133,20 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
             raise ValueError(f"budget {budget!r} keeps all {T} tokens: nothing to evict")
         chosen = _chosen(model_path, model, threads, n_ctx, attention_settings)
         mine = _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, chosen.flash_attn,
-                            chosen.cache_type, evict=True)
+                            chosen.cache_type, evict=True, fill=fill)
+        seed_state = mine.pop("_seed", None)
         # greedy tokens are compared up to the answer's end: past it page-local's runs decode on and stock's
         # server (ignore_eos, so that it decodes new_tokens too) takes the next-best token instead
         mine_tokens = [mine["first"]] + mine.pop("_tokens")[:-1]
         mine_tokens = mine_tokens[:next((i for i, t in enumerate(mine_tokens) if model.is_eog(t)), len(mine_tokens))]
-        if bin_dir is None:  # the same library with llama.cpp's own kernels
+        if fill == "state" and bin_dir is None:
+            raise BenchError("--fill state measures stock llama-server from a slot file: build it first "
+                             "(`make peer-server`) or give --peer-bin")
+        if fill == "state":
+            paths = stock.measure_filled(bin_dir, Path(model_path), prompt, len(prompt) - W, seed_state, n_ctx,
+                                         new_tokens, repeats, threads)
+            source = f"stock llama-server ({bin_dir}), the cache restored from a slot file"
+        elif bin_dir is None:  # the same library with llama.cpp's own kernels
             before = os.environ.get("PAGE_LOCAL_FA_KERNEL")
             os.environ["PAGE_LOCAL_FA_KERNEL"] = "llama.cpp"
             try:
@@ -157,7 +176,7 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
     stock_agree = next((i for i, (a, b) in enumerate(zip(theirs["on"], theirs["off"])) if a != b),
                        min(len(theirs["on"]), len(theirs["off"])))
     best_dec = max(stock.SETTINGS, key=lambda s: paths[s]["decode_tok_s"])
-    best_ttft = min(stock.SETTINGS, key=lambda s: paths[s]["ttft_s"])
+    best_ttft = min(stock.SETTINGS, key=lambda s: float("inf") if paths[s]["ttft_s"] is None else paths[s]["ttft_s"])
     dflt = paths["on"]  # llama.cpp's flash_attn "auto" resolves to on for the CPU backend and GPUs
     out = {"bench": "decode", "tokens": T, "budget": budget, "new_tokens": new_tokens, "threads": threads,
            "repeats": repeats, "attention": chosen.to_dict()}
@@ -175,9 +194,14 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
         "full_vs_stock_best": round(mine["full_tok_s"] / paths[best_dec]["decode_tok_s"], 4),
         "evicted_vs_stock_default": round(mine["evicted_tok_s"] / dflt["decode_tok_s"], 4),
         "evicted_vs_stock_best": round(mine["evicted_tok_s"] / paths[best_dec]["decode_tok_s"], 4),
-        # TTFT as a speed ratio: above 1, page-local answers first
-        "ttft_vs_stock_default": round(dflt["ttft_s"] / mine["prefill_s"], 4),
-        "ttft_vs_stock_best": round(paths[best_ttft]["ttft_s"] / mine["prefill_s"], 4),
+        # TTFT as a speed ratio: above 1, page-local answers first (None when the cache was filled from a state)
+        "ttft_vs_stock_default": _ratio(dflt["ttft_s"], mine["prefill_s"]),
+        "ttft_vs_stock_best": _ratio(paths[best_ttft]["ttft_s"], mine["prefill_s"]),
+        "parked_vs_stock_best": round(mine["parked_tok_s"] / paths[best_dec]["decode_tok_s"], 4),
+        "parked_vs_full": round(mine["parked_tok_s"] / mine["full_tok_s"], 4),
+        "fill": fill,
+        "bound": _bound(model_path, T, mine["kept"]),
+        "stock_rss_mb": paths[best_dec].get("rss_mb"),
         "same_full_tokens_as_stock": same,
         "tokens_agreeing_with_stock": agree,
         "stock_paths_agreeing_tokens": stock_agree,
@@ -186,9 +210,39 @@ def decode_speedup(model_path, tokens: int = 8192, budget: float | int = 0.25, n
     return out
 
 
+FILLS = ("prefill", "state")
+FILL_SEED = 512  # the tokens read for real when the cache is filled from a state (bench/fill.py)
+
+
+def _ratio(a, b):
+    return None if a is None or b is None else round(a / b, 4)
+
+
+def _bound(model_path, cells: int, kept: int) -> float | None:
+    """What memory traffic allows a decode step over `kept` of `cells` cells against all of them: (weights + K/V
+    of every cell) ÷ (weights + K/V of the kept ones), the weights as the file's size, K and V f16."""
+    from page_local.store.gguf import gguf_shape
+
+    sh = gguf_shape(model_path)
+    try:
+        per_cell = 2 * 2 * sh["n_layer"] * sh["n_head_kv"] * sh.get("head_dim_k", sh["n_embd"] // sh["n_head"])
+    except KeyError:
+        return None
+    weights = Path(model_path).stat().st_size
+    return round((weights + cells * per_cell) / (weights + kept * per_cell), 4)
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return round(psutil.Process().memory_info().rss / 2**20, 1)
+
+
 def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, flash_attn, cache_type,
-                 evict: bool) -> dict:
-    """decode_speedup's runs on one attention path (full cache; with evict, also the evicted caches)."""
+                 evict: bool, fill: str = "prefill") -> dict:
+    """decode_speedup's runs on one attention path (full cache; with evict, also the evicted caches). fill
+    "state": the cache of all but the last W tokens made from the first FILL_SEED tokens' cells (bench/fill.py);
+    its seed state is returned as "_seed" for stock's slot file."""
     from page_local.engine.turn import Pipeline, drop
     from page_local.evictors import get_evictor
     from page_local.gate import Gate
@@ -201,13 +255,24 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
         device = ctx.placement()
         pipe = Pipeline(ctx, model)
         ctx.decode(prompt[:1], 0, 0)  # warm-up: the weights' pages are read in before anything is timed
-        prefills = []
-        for _ in range(repeats):  # the time to first token: median of `repeats` prefills from an empty cache
+        prefills, seed_state = [], None
+        if fill == "state":  # no time to first token: the cells come from a short prefill, repeated
+            from page_local.bench import fill as filling
+
             ctx.clear()
-            t0 = time.perf_counter()
-            pre = pipe.prefill(prompt, 0, 0)
-            prefills.append(time.perf_counter() - t0)
-        prefill_s = statistics.median(prefills)
+            ctx.decode(prompt[:min(FILL_SEED, tokens - W)], 0, 0, logits="none")
+            seed_state = filling.parse(ctx.seq_state(0))
+            ctx.clear()
+            ctx.set_seq_state(filling.repeat_to(seed_state, tokens - W, v_trans=flash_attn == "off"), 0)
+            pre = pipe.prefill(prompt[tokens - W:], tokens - W, 0)
+            prefill_s = None
+        else:
+            for _ in range(repeats):  # the time to first token: median of `repeats` prefills from an empty cache
+                ctx.clear()
+                t0 = time.perf_counter()
+                pre = pipe.prefill(prompt, 0, 0)
+                prefills.append(time.perf_counter() - t0)
+            prefill_s = statistics.median(prefills)
         first = int(np.argmax(pre.logits))
 
         gate_ms = []
@@ -256,12 +321,16 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
                 evict_ms.append((time.perf_counter() - e0) * 1e3)
                 kept = ctx.cells_used(0)
             runs[mode].append(decode_run(full_tokens if mode == "full" and not full_tokens else None))
+        rss_mb = _rss_mb()
     full = statistics.median(runs["full"])
     out = {"flash_attn": flash_attn, "cache_type": cache_type, "full_tok_s": round(full, 2),
-           "prefill_s": round(prefill_s, 3), "prefill_tok_s": round(tokens / prefill_s, 1),
+           "prefill_s": None if prefill_s is None else round(prefill_s, 3),
+           "prefill_tok_s": None if prefill_s is None else round(tokens / prefill_s, 1), "rss_mb": rss_mb,
            "prefill_runs_s": [round(t, 3) for t in prefills],
            "full_runs": [round(t, 2) for t in runs["full"]], "device": device, "_tokens": full_tokens,
            "first": first}
+    if seed_state is not None:
+        out["_seed"] = seed_state
     if evict:
         ev, ev_nc = statistics.median(runs["evicted"]), statistics.median(runs["evicted_nocompact"])
         out.update({

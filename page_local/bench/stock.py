@@ -100,6 +100,32 @@ class StockServer:
         return {"prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"], "decode_tok_s": t["predicted_per_second"],
                 "tokens": out.get("tokens", [])}
 
+    def restore_slot(self, filename: str) -> None:
+        """POST /slots/0?action=restore of a file in --slot-save-path."""
+        status, out = self._request("POST", "/slots/0?action=restore", {"filename": filename})
+        if status != 200:
+            raise BenchError(f"stock llama-server refused to restore slot file {filename} (HTTP {status}: "
+                             f"{str(out)[:200]})")
+
+    def complete_cached(self, tokens: list[int], n_predict: int) -> dict:
+        """complete() with the slot's cache reused (cache_prompt on): only what it does not hold is read."""
+        status, out = self._request("POST", "/completion", {
+            "prompt": tokens, "n_predict": n_predict, "temperature": 0, "top_k": 1, "cache_prompt": True,
+            "return_tokens": True, "ignore_eos": True})
+        if status != 200:
+            raise BenchError(f"stock llama-server: HTTP {status}: {str(out)[:300]}")
+        t = out["timings"]
+        return {"prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"], "decode_tok_s": t["predicted_per_second"],
+                "tokens": out.get("tokens", [])}
+
+    def rss_mb(self) -> float | None:
+        import psutil
+
+        try:
+            return round(psutil.Process(self.proc.pid).memory_info().rss / 2**20, 1)
+        except psutil.Error:
+            return None
+
     def chat(self, messages: list[dict], max_tokens: int, cache_prompt: bool = True) -> dict:
         """One greedy chat turn through /v1/chat/completions (the GGUF's own chat template), as a chat app
         sends it: the whole conversation, the slot reusing the prefix it holds when cache_prompt. The server's
@@ -143,6 +169,7 @@ def measure(bin_dir: Path, model: Path, prompt: list[int], n_ctx: int, new_token
     for setting in SETTINGS:
         with StockServer(bin_dir, model, n_ctx, threads, setting) as srv:
             runs = [srv.complete(prompt, new_tokens) for _ in range(repeats)]
+            rss = srv.rss_mb()
         if any(r["prompt_n"] != len(prompt) for r in runs):
             raise BenchError(f"stock llama-server read {runs[0]['prompt_n']} of {len(prompt)} prompt tokens "
                              "(cache_prompt off should read them all)")
@@ -151,6 +178,40 @@ def measure(bin_dir: Path, model: Path, prompt: list[int], n_ctx: int, new_token
             "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in runs), 2),
             "ttft_runs_s": [round(r["prompt_ms"] / 1e3, 3) for r in runs],
             "decode_runs": [round(r["decode_tok_s"], 2) for r in runs],
-            "_tokens": runs[0]["tokens"],
+            "rss_mb": rss, "_tokens": runs[0]["tokens"],
         }
+    return paths
+
+
+def measure_filled(bin_dir: Path, model: Path, prompt: list[int], cells: int, seed_state, n_ctx: int,
+                   new_tokens: int, repeats: int, threads: int) -> dict:
+    """measure() from a cache filled from a state (bench/fill.py): per path a slot file of prompt[:cells] whose
+    cells repeat seed_state's (V transposed for flash attention off, as llama.cpp lays it out there), restored
+    before every completion of the whole prompt, which then reads the len(prompt) - cells tokens left. TTFT is
+    not measured (None); decode tok/s and the server's RSS are."""
+    import tempfile
+
+    from page_local.bench import fill
+
+    paths: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="page-local-bench-fill-") as slots:
+        for setting in SETTINGS:
+            fill.write_slot_file(Path(slots) / "filled.bin", prompt[:cells],
+                                 fill.repeat_to(seed_state, cells, v_trans=setting == "off"))
+            with StockServer(bin_dir, model, n_ctx, threads, setting, cache_prompt=True, slot_save_path=slots) as srv:
+                runs = []
+                for _ in range(repeats):
+                    srv.restore_slot("filled.bin")
+                    runs.append(srv.complete_cached(prompt, new_tokens))
+                rss = srv.rss_mb()
+            read = {r["prompt_n"] for r in runs}
+            if read != {len(prompt) - cells}:
+                raise BenchError(f"stock llama-server read {sorted(read)} prompt tokens after restoring {cells} cells "
+                                 f"of {len(prompt)} (expected {len(prompt) - cells}): the slot file was not used")
+            paths[setting] = {
+                "ttft_s": None,
+                "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in runs), 2),
+                "ttft_runs_s": [], "decode_runs": [round(r["decode_tok_s"], 2) for r in runs],
+                "rss_mb": rss, "_tokens": runs[0]["tokens"],
+            }
     return paths

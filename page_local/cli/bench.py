@@ -73,34 +73,54 @@ def bench_probe(model, tokens, repeats, threads, as_json, **load):
 @click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
               help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin, which `make "
                    "peer-server` builds)")
+@click.option("--fill", default="prefill", show_default=True, type=click.Choice(["prefill", "state"]),
+              help="how the cache is filled: prefill reads the prompt (and times it: TTFT); state repeats the cells "
+                   "of its first 512 tokens to --tokens and gives page-local and stock llama-server (its slot file) "
+                   "the same cache in seconds: decode speed at 16K-32K cells without a 32K-token read, no TTFT")
 @threads_option
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, threads, as_json, **load):
+def bench_decode(model, tokens, budget, new_tokens, repeats, peer_bin, fill, threads, as_json, **load):
     """TTFT and decode tok/s: page-local (full cache, evicted to the budget, parked to the budget) beside stock
     llama.cpp's default and best configuration."""
     from page_local.bench.speed import decode_speedup
-    from page_local.native.runtime import describe_placement
 
     path = resolve_model(model)
     _bench(as_json, lambda: decode_speedup(path, tokens=tokens, budget=budget,
                                            new_tokens=new_tokens, repeats=repeats, threads=threads,
-                                           peer_bin=peer_bin, **load),
-           lambda r: f"{r['tokens']}-token prompt, {new_tokens} new tokens, medians of {repeats}; page-local: flash "
+                                           peer_bin=peer_bin, fill=fill, **load), _decode_text)
+
+
+def _secs(v) -> str:
+    return "not measured" if v is None else f"{v:.2f} s"
+
+
+def _times(v) -> str:
+    return "–" if v is None else f"{v:.2f}x"
+
+
+def _decode_text(r: dict) -> str:
+    from page_local.native.runtime import describe_placement
+
+    filled = (" (cache filled from a state: the first 512 tokens' cells repeated; no TTFT)"
+              if r["fill"] == "state" else "")
+    return (f"{r['tokens']}-token prompt{filled}, {r['new_tokens']} new tokens, medians of {r['repeats']}; page-local: flash "
                      f"attention {r['attention']['flash_attn']} ({r['attention']['source']}), TTFT "
-                     f"{r['ttft_s']:.2f} s, full cache {r['full_tok_s']:.1f} tok/s, evicted to {r['kept']} "
+                     f"{_secs(r['ttft_s'])}, full cache {r['full_tok_s']:.1f} tok/s, evicted to {r['kept']} "
                      f"{r['evicted_tok_s']:.1f} tok/s, parked to {r['kept']} {r['parked_tok_s']:.1f} tok/s "
                      f"({r['parked_vs_evicted']:.2f}x evicted; parking {r['park_ms']:.1f} ms, compaction "
                      f"{r['compact_ms']:.1f} ms).\nStock llama.cpp ({r['stock_source']}): default (flash "
-                     f"attention on) TTFT {r['stock_default_ttft_s']:.2f} s, {r['stock_default_tok_s']:.1f} tok/s; "
-                     f"best TTFT {r['stock_best_ttft_s']:.2f} s (flash attention {r['stock_best_ttft_flash_attn']}), "
+                     f"attention on) TTFT {_secs(r['stock_default_ttft_s'])}, {r['stock_default_tok_s']:.1f} tok/s; "
+                     f"best TTFT {_secs(r['stock_best_ttft_s'])} (flash attention {r['stock_best_ttft_flash_attn']}), "
                      f"best decode {r['stock_best_tok_s']:.1f} tok/s (flash attention {r['stock_best_flash_attn']}).\n"
-                     f"page-local / stock best: TTFT {r['ttft_vs_stock_best']:.2f}x as fast, full cache "
-                     f"{r['full_vs_stock_best']:.2f}x, evicted {r['evicted_vs_stock_best']:.2f}x "
+                     f"page-local / stock best: TTFT {_times(r['ttft_vs_stock_best'])} as fast, full cache "
+                     f"{r['full_vs_stock_best']:.2f}x, parked {r['parked_vs_stock_best']:.2f}x (bound {_times(r['bound'])}), "
+                     f"evicted {r['evicted_vs_stock_best']:.2f}x "
                      f"({r['evicted_vs_stock_default']:.2f}x the default); same greedy tokens as stock (full "
                      f"cache): {r['same_full_tokens_as_stock']} (tokens agreeing: {r['tokens_agreeing_with_stock']}; stock's "
                      f"two paths with each other: {r['stock_paths_agreeing_tokens']}); gate decision {r['gate_ms']:.2f} ms; "
+                     f"memory: page-local {r['rss_mb']:.0f} MB, stock {r['stock_rss_mb'] or 0:.0f} MB; "
                      f"{describe_placement(r['device'])}")
 
 
