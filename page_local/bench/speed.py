@@ -281,6 +281,7 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
             gate.decide(drop(pre.probe)[0])
             gate_ms.append((time.perf_counter() - g0) * 1e3)
 
+        rss_mb = _rss_mb()  # the model, the context and its cells: before the bench keeps a copy of them
         s0 = time.perf_counter()
         state = ctx.seq_state(0)
         save_ms = (time.perf_counter() - s0) * 1e3
@@ -321,7 +322,6 @@ def _decode_path(model, prompt, B, n_ctx, new_tokens, repeats, threads, seed, fl
                 evict_ms.append((time.perf_counter() - e0) * 1e3)
                 kept = ctx.cells_used(0)
             runs[mode].append(decode_run(full_tokens if mode == "full" and not full_tokens else None))
-        rss_mb = _rss_mb()
     full = statistics.median(runs["full"])
     out = {"flash_attn": flash_attn, "cache_type": cache_type, "full_tok_s": round(full, 2),
            "prefill_s": None if prefill_s is None else round(prefill_s, 3),

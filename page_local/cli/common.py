@@ -316,8 +316,8 @@ def chat_engine_options(f):
                           "(page_local/engine/parking.py). --no-park: the budget evicts for good.")(f)
     f = click.option("--park-from", "park_from", default=None, type=click.IntRange(min=0),
                      help="With --park: below this many cells the full cache is kept, where setting tokens aside "
-                          "does not pay (default: from the model, where the cells' K and V weigh half its weights: 2048 "
-                          "on SmolLM2, ~20K on Qwen2.5-Coder-0.5B; page_local/engine/parking.py).")(f)
+                          "does not pay (default: from the model, on the CPU where the cells' K and V weigh an eighth of "
+                          "its weights: 2048 on SmolLM2, 4864 on Qwen2.5-Coder-0.5B; page_local/engine/parking.py).")(f)
     f = click.option("--reread/--no-reread", default=defaults.CHAT_REREAD, show_default=True,
                      help="After a message too long for the context was cut to fit, the next message reads the "
                           "conversation again from the first deleted token, keeping what it asks about (a second "

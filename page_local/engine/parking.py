@@ -18,10 +18,14 @@ message chooses again:
 
 Below `park_from` cells eviction does not pay for itself (attention is a small share of a step there, and the
 check costs the turn more than the faster tokens give back), so a shorter conversation keeps the full cache. Its
-default depends on the model (park_from_for): where the K and V a decode step reads weigh half the weights it
-reads, parking three quarters of them makes a step ~1.3x faster — on SmolLM2 (98 MB, 23 KB a cell) at 2K cells,
-as measured (bench decode: parked 1.29x the full cache at 2K, 1.59x at 4K), on Qwen2.5-Coder-0.5B (491 MB,
-12 KB a cell) at ~20K (parked 1.12x at 4K, and a chat's passed check at 2.9K cells was 0.92x: docs/benchmarks.md).
+default depends on the model and the device (park_from_for): the cells where parking three quarters of them
+makes a decode step 1.3x faster — on SmolLM2 (98 MB, 23 KB a cell) at 2K cells (bench decode: parked 1.29x the
+full cache at 2K, 1.59x at 4K). On the CPU that is where the K and V a step reads weigh about an eighth of the
+weights (PAYS_SHARE), not half as the bytes alone would say: a CPU attends an f16 cell several times slower per
+byte than it reads a Q4_K weight (issue 54, `bench decode --fill state` on the real shapes, AMD Zen 4: 1.3x is
+reached at ~2.8K cells on Llama-3.2-1B, <= 2K on -3B, ~4.9K on Llama-3.1-8B, ~10K on Qwen2.5-7B, where the K/V
+weigh 0.11-0.13 of the weights; docs/benchmarks.md, "The shapes people run"). On a GPU a step is bound by memory
+traffic, and the share stays the bytes' half (not measured).
 Memory: a parked cell costs what a held one does (--cache-type q8_0 halves both).
 
 Parking is the one object the Engine asks about all of this: it holds whether the speed budget parks (`on`, set
@@ -48,22 +52,28 @@ N_SEQ = PARK_SEQ + 1  # the engine context's sequences
 PARK_FROM = 2048
 
 
-def park_from_for(weight_bytes: int, cell_bytes: float) -> int:
-    """The default park_from for a model: the cells whose K and V weigh half its weights (weight_bytes: the model
-    file's size; cell_bytes: one cell's K and V in every layer), to the nearest 256, at least PARK_FROM."""
+# The share of the weights the K and V of park_from cells weigh, per device kind (see the module docstring)
+PAYS_SHARE = {"cpu": 0.12, "gpu": 0.5}
+
+
+def park_from_for(weight_bytes: int, cell_bytes: float, device: str = "CPU") -> int:
+    """The default park_from for a model: the cells whose K and V weigh PAYS_SHARE of its weights on `device`
+    (weight_bytes: the model file's size; cell_bytes: one cell's K and V in every layer; device: where the layers
+    run, "CPU" or a GPU's name), to the nearest 256, at least PARK_FROM."""
     if weight_bytes <= 0 or cell_bytes <= 0:
         return PARK_FROM
-    return max(PARK_FROM, int(round(0.5 * weight_bytes / cell_bytes / 256)) * 256)
+    share = PAYS_SHARE["cpu" if device.upper().startswith("CPU") or not device else "gpu"]
+    return max(PARK_FROM, int(round(share * weight_bytes / cell_bytes / 256)) * 256)
 
 
 def park_from_of(model, cache_type: str) -> int:
-    """park_from_for a loaded model (native.runtime.Model: its file and shape) under a KV cache type (f16, q8_0,
-    q4_0: store.sizing.CACHE_BYTES)."""
+    """park_from_for a loaded model (native.runtime.Model: its file, shape and the device of its layers) under a
+    KV cache type (f16, q8_0, q4_0: store.sizing.CACHE_BYTES)."""
     from page_local.store.sizing import CACHE_BYTES
 
     head = model.n_embd // model.n_head
     cell = model.n_layer * model.n_head_kv * 2 * head * CACHE_BYTES[cache_type]
-    return park_from_for(Path(model.path).stat().st_size, cell)
+    return park_from_for(Path(model.path).stat().st_size, cell, str(model.layers_device))
 
 
 class Parking:
