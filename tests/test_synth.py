@@ -23,7 +23,7 @@ TINY_QWEN = synth.Shape("tiny-qwen", "a tiny Qwen2", "qwen2", 512, 8, 4, 2, 768,
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, smollm2_path):
     d = tmp_path_factory.mktemp("synth")
-    return {s.name: synth.write(s, d / f"{s.name}.gguf") for s in (TINY_LLAMA, TINY_QWEN)}
+    return {s.name: synth.write(s, smollm2_path, d / f"{s.name}.gguf") for s in (TINY_LLAMA, TINY_QWEN)}
 
 
 @pytest.mark.parametrize("shape", [TINY_LLAMA, TINY_QWEN], ids=lambda s: s.name)

@@ -187,7 +187,8 @@ def models_synth(names, as_json):
             task = prog.add_task(f"writing synth:{s.name} (~{synth.approx_bytes(s) / 1e9:.1f} GB)",
                                  total=synth.approx_bytes(s))
             with common.one_line_errors():
-                path = synth.write(s.name, progress=lambda done, total: prog.update(task, completed=done))
+                path = synth.write(s.name, models.smollm2_path(),
+                                   progress=lambda done, total: prog.update(task, completed=done))
         out.append({"name": synth.PREFIX + s.name, "path": str(path), "size_bytes": path.stat().st_size})
     if as_json:
         click.echo(json.dumps(out))

@@ -206,13 +206,12 @@ def _blocks(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
     return raw
 
 
-def _tokenizer(n_vocab: int) -> dict:
-    """The embedded SmolLM2's tokenizer keys, its token list padded with unused tokens to n_vocab."""
+def _tokenizer(source: str | os.PathLike, n_vocab: int) -> dict:
+    """The tokenizer keys of the GGUF at source (the embedded SmolLM2's), its token list padded with unused tokens
+    to n_vocab."""
     from gguf import GGUFReader
 
-    from page_local.store.models import smollm2_path
-
-    r = GGUFReader(smollm2_path())
+    r = GGUFReader(source)
     out = {}
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
@@ -229,10 +228,11 @@ def _tokenizer(n_vocab: int) -> dict:
     return out
 
 
-def write(name: str | Shape, dst: str | os.PathLike | None = None, seed: int = 0,
+def write(name: str | Shape, tokenizer_from: str | os.PathLike, dst: str | os.PathLike | None = None, seed: int = 0,
           progress: Callable[[int, int], None] | None = None) -> Path:
     """Write the synthetic model NAME (a key of SHAPES, or a Shape) at dst (default path_of(NAME)), atomically;
-    returns the path. An existing file at the default place is reused. progress(bytes written, total)."""
+    returns the path. tokenizer_from: the GGUF whose tokenizer it takes (store.models.smollm2_path(): the embedded
+    SmolLM2). An existing file at the default place is reused. progress(bytes written, total)."""
     import gguf
 
     s = name if isinstance(name, Shape) else shape(name)
@@ -260,7 +260,7 @@ def write(name: str | Shape, dst: str | os.PathLike | None = None, seed: int = 0
         w.add_layer_norm_rms_eps(s.rms_eps)
         w.add_rope_dimension_count(s.head_dim)
         w.add_vocab_size(s.n_vocab)
-        tok = _tokenizer(s.n_vocab)
+        tok = _tokenizer(tokenizer_from, s.n_vocab)
         w.add_tokenizer_model(tok["tokenizer.ggml.model"])
         w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
         w.add_token_list(tok["tokenizer.ggml.tokens"])
