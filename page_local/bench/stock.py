@@ -89,10 +89,11 @@ class StockServer:
             time.sleep(0.2)
         raise BenchError(f"stock llama-server was not ready within {timeout:.0f} s")
 
-    def complete(self, tokens: list[int], n_predict: int) -> dict:
-        """Greedy completion of the token ids: the server's timings and the generated token ids."""
+    def complete(self, tokens: list[int], n_predict: int, cache_prompt: bool = False) -> dict:
+        """Greedy completion of the token ids: the server's timings and the generated token ids. cache_prompt: the
+        slot's cache reused (only what it does not hold is read)."""
         status, out = self._request("POST", "/completion", {
-            "prompt": tokens, "n_predict": n_predict, "temperature": 0, "top_k": 1, "cache_prompt": False,
+            "prompt": tokens, "n_predict": n_predict, "temperature": 0, "top_k": 1, "cache_prompt": cache_prompt,
             "return_tokens": True, "ignore_eos": True})
         if status != 200:
             raise BenchError(f"stock llama-server: HTTP {status}: {str(out)[:300]}")
@@ -106,17 +107,6 @@ class StockServer:
         if status != 200:
             raise BenchError(f"stock llama-server refused to restore slot file {filename} (HTTP {status}: "
                              f"{str(out)[:200]})")
-
-    def complete_cached(self, tokens: list[int], n_predict: int) -> dict:
-        """complete() with the slot's cache reused (cache_prompt on): only what it does not hold is read."""
-        status, out = self._request("POST", "/completion", {
-            "prompt": tokens, "n_predict": n_predict, "temperature": 0, "top_k": 1, "cache_prompt": True,
-            "return_tokens": True, "ignore_eos": True})
-        if status != 200:
-            raise BenchError(f"stock llama-server: HTTP {status}: {str(out)[:300]}")
-        t = out["timings"]
-        return {"prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"], "decode_tok_s": t["predicted_per_second"],
-                "tokens": out.get("tokens", [])}
 
     def rss_mb(self) -> float | None:
         import psutil
@@ -202,7 +192,7 @@ def measure_filled(bin_dir: Path, model: Path, prompt: list[int], cells: int, se
                 runs = []
                 for _ in range(repeats):
                     srv.restore_slot("filled.bin")
-                    runs.append(srv.complete_cached(prompt, new_tokens))
+                    runs.append(srv.complete(prompt, new_tokens, cache_prompt=True))
                 rss = srv.rss_mb()
             read = {r["prompt_n"] for r in runs}
             if read != {len(prompt) - cells}:
