@@ -195,9 +195,8 @@ class Engine:
         self.budget = check_budget(budget)
 
     def set_park(self, park: bool, park_from: int | None = None) -> None:
-        """park: the speed budget parks cells (they stay in memory, out of the attention, and each message chooses
-        again) instead of evicting them for good; below park_from cells the full cache is kept (None: this model's
-        default, default_park_from)."""
+        """park: the speed budget parks cells (kept in memory, out of the attention; each message chooses again)
+        instead of evicting them; below park_from cells the full cache is kept (None: default_park_from)."""
         park_from = check_park_from(park_from)
         # switched off, the parked cells come back now (no message would any more): the conversation's to change
         with self._busy() if not park and self.parking.count() else nullcontext():
