@@ -266,3 +266,52 @@ def test_a_check_that_could_not_pay_back_is_not_run(smollm2_path, tmp_path):
     with eng2:
         s2.load(f)
         assert eng2.payback.after == learnt
+
+
+def test_a_check_runs_only_where_its_forced_tokens_are_paid_back():
+    """Payback.needed: the tokens after the cap at which p x after x gain covers forced x FORCED_STEP; a refused
+    check halves p, a parked answer's timing rescales the predicted gain, a told park_from keeps the tokens rule."""
+    from page_local.engine.decision import Decision
+    from page_local.engine.selfcheck import Payback
+
+    p = Payback()
+    assert p.needed(64, 2, None) == 64  # the user's park_from: as many tokens as the check forces
+    assert p.needed(64, 2, 0.326) == 84  # (64 + 4) x 0.4 / 0.326: Qwen2.5-Coder at 8.6K cells
+    assert p.needed(64, 1, 0.4) == 64 and p.needed(64, 2, 0.0) > 1 << 20
+    refused = Decision(T=8603, B=2150, D=None, z=None, open=True, evicted=False, kept=8603, compression=1.0,
+                       gate_mode="search", rule="raw", reason="", evictor="snapkv-spans", verify_forced=88,
+                       verify_ms=1154.0)
+    step = 0.034
+    p.record(128, 64, refused, [step * (i + 1) for i in range(128)], 0.326)
+    assert p.passed == [False] and p.forced == [88]
+    assert p.forced_step == [pytest.approx(1.154 / 88 / step)]
+    assert p.needed(64, 2, 0.326) == 209  # 88 x 0.386 / (0.5 x 0.326), rounded up
+    passed = Decision(**{**refused.to_dict(), "evicted": True, "parked": 9715, "verify_forced": 69,
+                         "verify_ms": 1040.0})
+    times = [step * (i + 1) for i in range(64)] + [step * 64 + 1.04 + 0.02 * (i + 1) for i in range(64)]
+    p.record(128, 64, passed, times, 0.4)
+    assert p.seen == [pytest.approx((1 - 0.02 / step) / 0.4)]  # a parked step 0.02 s against 0.034
+    assert p.passed == [False, True] and p.after == [64, 64]
+
+
+def test_the_engine_weighs_the_check_by_the_models_shape(smollm2_path):
+    """With the model's own park_from, parking's gain is step_gain of its shape, and a check that cannot pay is not
+    prepared: about 36 tokens after the cap of 64 are fewer than a 2.5K-cell SmolLM2 conversation needs. Told a
+    park_from, the gain is the user's word (None)."""
+    from page_local.engine.parking import shape_of, step_gain
+    from page_local.engine.selfcheck import Payback
+
+    with Engine(smollm2_path, n_ctx=4096, budget=0.25, park=True, threads=2, autotune=False) as eng:
+        assert not eng.parking.told and eng.park_from == 2048
+        w, c, dev = shape_of(eng.model, "f16")
+        g = eng.parking.gain(8192, 2048)
+        assert g == pytest.approx(step_gain(w, c, 8192, 2048, dev)) and g > 0.4
+        s = ChatSession(eng)
+        turn = s.send(DOC * 4 + "\nWhat is the secret code of the red door?", max_tokens=100)
+        "".join(turn)
+        d = turn.decision
+        assert 2048 < d.T < 4096 and d.check_unpaid == 36 and d.verify_forced is None and d.parked == 0
+        need = Payback().needed(64, 1, step_gain(w, c, d.T, d.B + 100, dev))  # the engine's gate: verify, one rung
+        assert 36 < need < 100 and f"fewer than the {need} a parked cache needs" in d.reason
+        eng.set_park(True, park_from=0)
+        assert eng.parking.told and eng.parking.gain(8192, 2048) is None

@@ -36,7 +36,7 @@ from page_local import defaults
 from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.message import Messages, tokens_of
-from page_local.engine.parking import N_SEQ, Parking, park_from_of
+from page_local.engine.parking import N_SEQ, Parking, park_from_of, shape_of
 from page_local.engine.room import RoomMaker, check_on_full
 from page_local.engine.selfcheck import Backoff, Payback
 from page_local.engine.settings import (SettingError, TurnSettings, check_budget, check_ladder, check_max_tokens,
@@ -179,7 +179,8 @@ class Engine:
         self.room = RoomMaker(self.ctx, self.model, self.pipeline)  # room on demand (room.py)
         self.pipeline.spans = lambda held: self.room.spans(self.conv, held)  # sentences, for snapkv-spans
         # cells the speed budget parked, and whether it parks (parking.py)
-        self.parking = Parking(self.ctx, park, park_from if park_from is not None else self.default_park_from())
+        self.parking = Parking(self.ctx, park, park_from if park_from is not None else self.default_park_from(),
+                               told=park_from is not None, shape=shape_of(self.model, self.attention.cache_type))
         self.backoff = Backoff()  # a check refused turn after turn rests (selfcheck.py)
         self.payback = Payback()  # with parking: how long this conversation's answers go on after the check
         a = self.attention
@@ -200,7 +201,8 @@ class Engine:
         park_from = check_park_from(park_from)
         # switched off, the parked cells come back now (no message would any more): the conversation's to change
         with self._busy() if not park and self.parking.count() else nullcontext():
-            self.parking.switch(park, park_from if park_from is not None else self.default_park_from(), self.conv)
+            self.parking.switch(park, park_from if park_from is not None else self.default_park_from(), self.conv,
+                                told=park_from is not None)
 
     @property
     def park(self) -> bool:
@@ -292,9 +294,8 @@ class Engine:
         return self.room.ranking
 
     def set_room_ranking(self, mode: str) -> None:
-        """'question' (the default: the message's own last W tokens rank the cells room-making evicts),
-        'question+generic' (a share ranked by a generic query, room.GENERIC_SHARE) or 'recent' (the conversation's
-        newest queries, the earlier ranking, kept to compare): room.ROOM_RANKINGS."""
+        """'hybrid' (the default: the question's attention and its words rank the cells room-making evicts), 'bm25',
+        'question' (the attention alone), 'question+generic' or 'recent' (kept to compare): room.ROOM_RANKINGS."""
         self.room.set_ranking(mode)
 
     @property

@@ -54,6 +54,7 @@ class AnswerLoop:
         self.logprobs: list = [] if record is None else record  # record: a list the caller reads as it grows
         self.finish = "length"
         self.seconds = 0.0
+        self.times: list[float] = []  # the loop's clock after each token decoded (selfcheck.Payback times a step)
 
     def _checked(self, full_logits: list[np.ndarray], **how) -> None:
         self.check(self.out, full_logits, **how)
@@ -93,6 +94,7 @@ class AnswerLoop:
                     yield piece
                 pending = None
                 ctx.decode([tok], pos, 0)
+                self.times.append(time.perf_counter() - t0)
                 used += 1
                 self.conv.append(tok, pos)
                 out.append(tok)

@@ -82,11 +82,16 @@ class Messages:
 
         # generation (generation.py), with the verify cap and room for a growing answer plugged in
         park = self.parking.parker(dec, reserve) if t.park else None  # a passed check parks instead of evicting
+        gain = None
         if plan is not None and t.park and max_tokens >= t.verify_tokens:  # an answer that can reach the cap
+            keeps = plan[0]
+            kept = min(b for b, _ in keeps) if not callable(keeps) else dec.B
+            gain = self.parking.gain(dec.T, kept + max_tokens)
             expected = self.payback.expected(max_tokens, t.verify_tokens)
-            if expected < Payback.tokens(t.verify_tokens):  # a check there could not pay back: none is prepared
+            needed = self.payback.needed(t.verify_tokens, 1 if callable(keeps) else len(keeps), gain)
+            if expected < needed:  # a check there could not pay back: none is prepared
                 plan = None
-                unpaid(dec, t.verify_tokens, expected)
+                unpaid(dec, t.verify_tokens, expected, needed)
         check = None if plan is None else SelfCheck(ctx, self.pipeline, dec, plan, t.verify_rule, t.verify_threshold,
                                                     t.verify_tokens, t.ladder, t.compact, park=park)
         room = None if t.on_full != "evict" else (lambda: self._answer_room(dec, reserve, start, t))
@@ -99,7 +104,7 @@ class Messages:
             if check is not None and dec.verify_m is not None:  # the check ran: its verdict counts
                 self.backoff.record(dec.evicted, start)
             if t.park and t.verifies and loop.finish != "interrupted":
-                self.payback.record(len(loop.out), t.verify_tokens)
+                self.payback.record(len(loop.out), t.verify_tokens, dec, loop.times, gain)
         finally:
             ctx.seq_rm(1, -1, -1)  # an unfinished verification leaves nothing behind
             sampler.close()

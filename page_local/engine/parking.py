@@ -56,24 +56,54 @@ PARK_FROM = 2048
 PAYS_SHARE = {"cpu": 0.12, "gpu": 0.5}
 
 
+# A decode step costs about weights + ATTEND x the K/V it reads, in bytes; ATTEND follows from PAYS_SHARE: at park_from
+# cells parking three quarters of them makes a step PAYS x faster (CPU: 3.7, a CPU attends a cell's byte several times
+# slower than it reads a weight's; GPU: 0.9, the bytes alone). What parking saves of a step (step_gain) is what the
+# check's payback weighs against the check's forced tokens (selfcheck.Payback).
+PAYS = 1.3
+
+
+def _device_kind(device: str) -> str:
+    return "cpu" if device.upper().startswith("CPU") or not device else "gpu"
+
+
+def attend_weight(device: str = "CPU") -> float:
+    share = PAYS_SHARE[_device_kind(device)]
+    return (PAYS - 1) / (share * (1 - PAYS / 4))
+
+
+def step_gain(weight_bytes: int, cell_bytes: float, cells: int, kept: int, device: str = "CPU") -> float:
+    """The share of a full-cache decode step over `cells` cells that a step over `kept` of them saves (0 when the
+    sizes are unknown): 1 - (weights + ATTEND x kept's K/V) / (weights + ATTEND x cells' K/V)."""
+    if weight_bytes <= 0 or cell_bytes <= 0 or cells <= 0:
+        return 0.0
+    a = attend_weight(device) * cell_bytes
+    return max(0.0, 1.0 - (weight_bytes + a * min(kept, cells)) / (weight_bytes + a * cells))
+
+
 def park_from_for(weight_bytes: int, cell_bytes: float, device: str = "CPU") -> int:
     """The default park_from for a model: the cells whose K and V weigh PAYS_SHARE of its weights on `device`
     (weight_bytes: the model file's size; cell_bytes: one cell's K and V in every layer; device: where the layers
     run, "CPU" or a GPU's name), to the nearest 256, at least PARK_FROM."""
     if weight_bytes <= 0 or cell_bytes <= 0:
         return PARK_FROM
-    share = PAYS_SHARE["cpu" if device.upper().startswith("CPU") or not device else "gpu"]
+    share = PAYS_SHARE[_device_kind(device)]
     return max(PARK_FROM, int(round(share * weight_bytes / cell_bytes / 256)) * 256)
 
 
-def park_from_of(model, cache_type: str) -> int:
-    """park_from_for a loaded model (native.runtime.Model: its file, shape and the device of its layers) under a
-    KV cache type (f16, q8_0, q4_0: store.sizing.CACHE_BYTES)."""
+def shape_of(model, cache_type: str) -> tuple[int, float, str]:
+    """(weight bytes: the model file's size, one cell's K and V in every layer, the device of its layers) of a loaded
+    model (native.runtime.Model) under a KV cache type (f16, q8_0, q4_0: store.sizing.CACHE_BYTES)."""
     from page_local.store.sizing import CACHE_BYTES
 
     head = model.n_embd // model.n_head
     cell = model.n_layer * model.n_head_kv * 2 * head * CACHE_BYTES[cache_type]
-    return park_from_for(Path(model.path).stat().st_size, cell, str(model.layers_device))
+    return Path(model.path).stat().st_size, cell, str(model.layers_device)
+
+
+def park_from_of(model, cache_type: str) -> int:
+    """park_from_for a loaded model under a KV cache type (shape_of)."""
+    return park_from_for(*shape_of(model, cache_type))
 
 
 class Parking:
@@ -81,9 +111,12 @@ class Parking:
     over them: on (the speed budget parks instead of evicting for good) and park_from (below it the full cache is
     kept)."""
 
-    def __init__(self, ctx, on: bool = False, park_from: int = PARK_FROM):
+    def __init__(self, ctx, on: bool = False, park_from: int = PARK_FROM, told: bool = False,
+                 shape: tuple[int, float, str] | None = None):
         self.ctx = ctx
         self.on, self.park_from = bool(on), park_from
+        self.told = told  # park_from was given (the user's word that parking pays from there), not the model's own
+        self.shape = shape  # shape_of the model: what step_gain weighs
         self.scores: dict[int, float] = {}  # parked position -> its score when it was parked (lowest goes first)
         self._ranked: tuple[np.ndarray, np.ndarray] | None = None  # (positions, scores) of the last ranking
 
@@ -96,12 +129,20 @@ class Parking:
     def clear(self) -> None:
         self.scores, self._ranked = {}, None
 
-    def switch(self, on: bool, park_from: int, conv: Transcript) -> None:
-        """Park from now on or not, from park_from cells. Switched off, the cells parked come back at once: no
-        message would bring them back any more (the caller holds the conversation: Engine.set_park)."""
+    def switch(self, on: bool, park_from: int, conv: Transcript, told: bool = False) -> None:
+        """Park from now on or not, from park_from cells (told: given by the user, not the model's own). Switched
+        off, the cells parked come back at once: no message would bring them back any more (the caller holds the
+        conversation: Engine.set_park)."""
         if not on and self.scores:
             self.unpark(conv, 0)
-        self.on, self.park_from = bool(on), park_from
+        self.on, self.park_from, self.told = bool(on), park_from, told
+
+    def gain(self, cells: int, kept: int) -> float | None:
+        """What parking all but `kept` of `cells` cells saves of a decode step (step_gain), for the check's payback;
+        None when park_from was told (parking pays from there, by the user's word) or the model's shape is unknown."""
+        if self.told or self.shape is None:
+            return None
+        return step_gain(self.shape[0], self.shape[1], cells, kept, self.shape[2])
 
     def pays(self, cells: int, park_from: int) -> bool:
         """Whether evicting for speed pays on a conversation of `cells` cells (below park_from it does not: the

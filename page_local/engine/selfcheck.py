@@ -153,39 +153,55 @@ def plan_labels(keeps, ladder, T: int) -> list[str]:
     return [names.get(b, str(b)) for b, _ in keeps]
 
 
-def unpaid(dec: Decision, cap: int, expected: int) -> None:
+def unpaid(dec: Decision, cap: int, expected: int, needed: int) -> None:
     """Record on dec that parking prepares no check this turn: about `expected` answer tokens are expected after
-    the cap (Payback.expected), too few for the parked cache to pay back the check's forced tokens; the full cache
-    answers, unchecked."""
+    the cap (Payback.expected), fewer than the `needed` (Payback.needed) for the parked cache to pay back the
+    check's forced tokens; the full cache answers, unchecked."""
     dec.check_unpaid = expected
+    need = f"the {needed}" if needed < 1 << 20 else "what"
     dec.reason += (f"; no check at the cap: about {expected} more answer tokens were expected (this request's "
-                   f"max_tokens and this conversation's earlier answers), fewer than the {Payback.tokens(cap)} a "
+                   f"max_tokens and this conversation's earlier answers), fewer than {need} a "
                    f"parked cache needs to pay back a check of {cap}")
 
 
 class Payback:
-    """How many answer tokens a conversation can expect after the check's cap, for parking: a check at the cap
-    costs its forced tokens (about a third of a step each, `bench forced`), and the parked cache wins back less
-    than half a step per token after it (`bench decode`: parked 1.3x the full cache at 2K cells, 1.6-1.9x at 4K),
-    so it pays only when at least as many tokens follow the check as it forced (`tokens`). Measured on the AMD Zen
-    4 (docs/benchmarks.md, "Parking"): answers of 112 tokens, checked at 64, decoded at 0.86-1.02x the full cache
-    whether the check passed or not.
+    """Whether a check at the cap can pay for itself, for parking. A check costs its forced tokens (about FORCED_STEP
+    of a full-cache decode step each, `bench forced`; 0.38 measured on Qwen2.5-Coder-0.5B at 8.6K cells) and buys,
+    when it passes, a faster step for each answer token after the cap: parking.step_gain of a step, the cells' share
+    of a step's cost (Qwen2.5-Coder at 13K cells, parked to a quarter: 0.47 s against 0.70 s per 16 tokens). So the
+    check runs when p x after x gain >= forced x FORCED_STEP (`needed`): after, the tokens expected after the cap
+    (`expected`); forced, what this conversation's checks forced (their median; none yet: the cap and the first chunk
+    of every other rung); p, the share of its recent checks that passed (one pass assumed before the first). A check
+    that cannot pay is not prepared (Decision.check_unpaid) and the full cache answers, as fast as the full cache.
+    Before this rule a check ran whenever as many tokens followed the cap as it forced: on Qwen2.5-Coder at 8.6K cells a
+    128-token answer then decoded at 0.74x the full cache (issue 54; docs/benchmarks.md, "The shapes people run").
+
+    What the conversation's turns measured refines it (`record`): the forced tokens, what one cost in steps, and the gain
+    a parked answer showed against the one step_gain predicted (their ratio multiplies the next predictions).
+    gain None (park_from given by the user: parking pays from there, by the user's word): the check runs when as many
+    tokens follow the cap as it forces (`tokens`).
 
     expected(max_tokens, cap): what the request allows after the cap (max_tokens - cap), and at most the median of
     the last RECENT answers of this conversation that reached the cap (their tokens after it); None of those yet:
     what the request allows."""
 
     RECENT = 3
+    FORCED_STEP = 0.4
+    MIN_TIMED = 8  # answer tokens on each side of the check that time a step
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
         self.after: list[int] = []  # tokens after the cap of the conversation's recent answers that reached it
+        self.passed: list[bool] = []  # the recent checks' verdicts
+        self.forced: list[int] = []  # their forced tokens
+        self.forced_step: list[float] = []  # what a forced token cost, in full-cache steps
+        self.seen: list[float] = []  # a parked answer's gain over the gain step_gain predicted
 
     @staticmethod
     def tokens(cap: int) -> int:
-        """The answer tokens after the cap that pay back a check of `cap` tokens."""
+        """The answer tokens after the cap that pay back a check of `cap` tokens, by the user's word (gain None)."""
         return cap
 
     def expected(self, max_tokens: int, cap: int) -> int:
@@ -194,10 +210,39 @@ class Payback:
             return room
         return min(room, int(np.median(self.after[-self.RECENT:])))
 
-    def record(self, answered: int, cap: int) -> None:
-        """An answer of `answered` tokens ended: remembered when it reached the cap."""
+    def needed(self, cap: int, rungs: int, gain: float | None) -> int:
+        """The answer tokens after the cap a check must be followed by to pay (see the class); gain: the share of a
+        step parking saves (Parking.gain), None to use `tokens`."""
+        if gain is None:
+            return self.tokens(cap)
+        forced = float(np.median(self.forced)) if self.forced else cap + (rungs - 1) * FIRST_CHUNK
+        step = float(np.median(self.forced_step)) if self.forced_step else self.FORCED_STEP
+        p = (sum(self.passed) + 1) / (len(self.passed) + 1)
+        g = gain * (float(np.median(self.seen)) if self.seen else 1.0)
+        if g <= 0:
+            return 1 << 30
+        return int(np.ceil(forced * step / (p * g)))
+
+    def record(self, answered: int, cap: int, dec: Decision | None = None, times: list[float] | None = None,
+               gain: float | None = None) -> None:
+        """An answer of `answered` tokens ended: remembered when it reached the cap. dec: its Decision, whose check
+        (if it ran) is remembered; times: the answer's clock after each token decoded (generation.AnswerLoop.times),
+        which times a full-cache step before the cap and a parked one after it; gain: what step_gain predicted."""
         if answered >= cap:
             self.after = (self.after + [answered - cap])[-self.RECENT:]
+        if dec is None or dec.verify_forced is None:
+            return
+        keep = lambda xs, x: (xs + [x])[-self.RECENT:]  # noqa: E731
+        self.passed = keep(self.passed, bool(dec.evicted))
+        self.forced = keep(self.forced, int(dec.verify_forced))
+        if not times or len(times) < cap or cap <= self.MIN_TIMED:
+            return
+        full = (times[cap - 1] - times[0]) / (cap - 1)  # a full-cache step (the check runs after token cap)
+        if dec.verify_ms and dec.verify_forced and full > 0:
+            self.forced_step = keep(self.forced_step, dec.verify_ms / 1e3 / dec.verify_forced / full)
+        if dec.parked and gain and len(times) - cap - 1 >= self.MIN_TIMED:
+            parked = (times[-1] - times[cap]) / (len(times) - cap - 1)
+            self.seen = keep(self.seen, float(np.clip((1 - parked / full) / gain, 0.25, 4.0)))
 
 
 class Backoff:
