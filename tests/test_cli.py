@@ -27,13 +27,28 @@ SMALL = ["--max-tokens", "4", "--n-ctx", "256", "--threads", "1"]
 
 
 def test_run_streams_the_answer(cli):
-    res = cli("run", "--prompt", PROMPT, *SMALL)
+    res = cli("run", "--prompt", PROMPT, "--raw", *SMALL)
     assert res.exit_code == 0, res.output
     assert res.stdout.startswith(" Paris") and res.stdout.endswith("\n")
     footer = res.stderr.strip().splitlines()[-1]  # the default gate, verify, on a prompt within the budget
     assert footer.startswith("[full cache kept: ") and "; 4 tokens at " in footer and "; finish: length; " in footer
-    res = cli("run", "--prompt", PROMPT, "--gate", "page", *SMALL)
+    res = cli("run", "--prompt", PROMPT, "--raw", "--gate", "page", *SMALL)
     assert res.stderr.strip().splitlines()[-1].startswith("[gate closed (D ")
+
+
+def test_run_sends_the_prompt_as_a_user_message_in_the_chat_template(cli, smollm2_path):
+    """As `ollama run` does: the prompt is the user's message in the model's template, the answer the assistant's (the
+    same as a chat's first turn); --raw sends the text as it is, to continue."""
+    from page_local.chat.session import ChatSession
+    from page_local.engine.engine import Engine
+
+    templated = json.loads(cli("run", "--prompt", PROMPT, "--json", "--gate", "never", *SMALL).stdout)
+    raw = json.loads(cli("run", "--prompt", PROMPT, "--raw", "--json", "--gate", "never", *SMALL).stdout)
+    with Engine(smollm2_path, n_ctx=256, threads=1, gate="never", autotune=False) as eng:
+        turn = ChatSession(eng).send(PROMPT, max_tokens=4)
+        text = "".join(turn)
+    assert templated["decision"]["T"] == turn.decision.T > raw["decision"]["T"] + 10
+    assert templated["text"] == text and raw["text"].startswith(" Paris")
 
 
 def test_run_status_line_on_a_fake_engine(monkeypatch):
@@ -43,7 +58,7 @@ def test_run_status_line_on_a_fake_engine(monkeypatch):
         T=1897, B=474, kept=1897, D=0.1109, open=True, gate_mode="verify", rule="forced", verify_m=3,
         verify_until="length", verify_rule="argmax", verify_score=1.0, verify_threshold=0.0), finish="length")
     monkeypatch.setattr("page_local.engine.engine.Engine", lambda *a, **kw: eng)
-    res = CliRunner().invoke(main, ["run", "--model", "fake.gguf", "--prompt", PROMPT, "--max-tokens", "3"])
+    res = CliRunner().invoke(main, ["run", "--model", "fake.gguf", "--prompt", PROMPT, "--raw", "--max-tokens", "3"])
     assert res.exit_code == 0, res.output
     assert res.stdout == " Paris, France\n" and eng.closed
     assert res.stderr == ("[verify refused: full cache of 1897 kept (1 changed top token > 0 over 3 tokens); "
@@ -69,7 +84,7 @@ def test_flags_reach_the_engine_as_values_never_through_the_environment(monkeypa
     monkeypatch.setattr("page_local.engine.engine.Engine", engine)
     for var in (FLASH_ENV, CACHE_ENV, RPC_ENV):
         monkeypatch.delenv(var, raising=False)
-    args = ["run", "--model", "fake.gguf", "--prompt", PROMPT, "--max-tokens", "1"]
+    args = ["run", "--model", "fake.gguf", "--prompt", PROMPT, "--raw", "--max-tokens", "1"]
 
     def run(*extra):
         before = dict(os.environ)
@@ -115,7 +130,7 @@ def test_serve_hands_the_flags_to_its_backend_as_values(smollm2_path, monkeypatc
 
 
 def test_run_json(cli, tmp_path):
-    res = cli("run", "--prompt", PROMPT, "--json", "--gate", "never", *SMALL)
+    res = cli("run", "--prompt", PROMPT, "--raw", "--json", "--gate", "never", *SMALL)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert set(out) == {"text", "finish_reason", "decision", "tokens_per_s", "device", "attention"}
@@ -128,14 +143,14 @@ def test_run_json(cli, tmp_path):
 
     f = tmp_path / "prompt.txt"
     f.write_text(PROMPT, encoding="utf-8")
-    from_file = json.loads(cli("run", "--prompt-file", str(f), "--json", "--gate", "never", *SMALL).stdout)
+    from_file = json.loads(cli("run", "--prompt-file", str(f), "--raw", "--json", "--gate", "never", *SMALL).stdout)
     assert from_file["text"] == out["text"]
 
 
 @pytest.mark.parametrize("budget, B", [("0.5", 120), ("64", 64)], ids=["ratio", "count"])
 def test_run_budget_ratio_or_count(cli, budget, B):
     prompt = "The grass is green. The sky is blue. " * 24
-    res = cli("run", "--prompt", prompt, "--json", "--gate", "always", "--budget", budget, *SMALL)
+    res = cli("run", "--prompt", prompt, "--raw", "--json", "--gate", "always", "--budget", budget, *SMALL)
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)["decision"]
     assert d["T"] == 241 and d["B"] == B and d["kept"] == B and d["evicted"]

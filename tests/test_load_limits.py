@@ -153,7 +153,7 @@ def test_cli_n_ctx_beyond_training(cli):
                    "n_ctx 16384", "trained context 8192", "--allow-long-context")
     one_line_error(cli("inspect", "--prompt", PROMPT, "--n-ctx", "9000", "--threads", "1"), 1,
                    "n_ctx 9000", "8192")
-    res = cli("run", "--prompt", PROMPT, "--n-ctx", "8448", "--allow-long-context", "--max-tokens", "2",
+    res = cli("run", "--prompt", PROMPT, "--raw", "--n-ctx", "8448", "--allow-long-context", "--max-tokens", "2",
               "--threads", "1")
     assert res.exit_code == 0 and res.stdout.startswith(" Paris"), res.output
     # the override runs, and llama.cpp's warning is shown once, on stderr, with what it is
@@ -220,14 +220,14 @@ def _page_local(*args, env=None):
 
 def test_run_output_is_clean(tmp_path):
     """No llama.cpp chatter on the real stdout/stderr file descriptors (CliRunner would not see C's)."""
-    p = _page_local("run", "--prompt", PROMPT, *SMALL, env={"PAGE_LOCAL_HOME": str(tmp_path)})
+    p = _page_local("run", "--prompt", PROMPT, "--raw", *SMALL, env={"PAGE_LOCAL_HOME": str(tmp_path)})
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(" Paris") and p.stdout.count("\n") == 1, p.stdout
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("[full cache kept: "), p.stderr
 
 
 def test_verbose_shows_every_level(tmp_path):
-    p = _page_local("run", "--prompt", PROMPT, *SMALL, env={"PAGE_LOCAL_HOME": str(tmp_path),
+    p = _page_local("run", "--prompt", PROMPT, "--raw", *SMALL, env={"PAGE_LOCAL_HOME": str(tmp_path),
                                                             "PAGE_LOCAL_VERBOSE": "1"})
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(" Paris")

@@ -1,5 +1,6 @@
 """`page-local run`: answer one prompt; the answer streams to stdout, what the cache went through to
-stderr (or everything as one JSON object with --json)."""
+stderr (or everything as one JSON object with --json). The prompt is a user message in the model's chat template
+(as `ollama run` and llama-cli's conversation mode send it); --raw sends it as it is, a text to continue."""
 
 from __future__ import annotations
 
@@ -32,14 +33,18 @@ from page_local.cli.common import (
 @click.option("--max-tokens", default=defaults.MAX_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 5), help="0 = greedy.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--raw", is_flag=True,
+              help="Send the prompt as it is, a text to continue, without the model's chat template.")
 @click.option("--json", "as_json", is_flag=True,
               help='print one JSON object {"text", "finish_reason", "decision", "tokens_per_s", "device", "attention"}')
 def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on_full, n_ctx, threads, n_gpu_layers,
-            rpc, attention_settings, allow_long_context, ladder, disk_cache, max_tokens, temperature, seed, as_json):
-    """Answer one prompt; with --json, also what the gate and the evictor did."""
+            rpc, attention_settings, allow_long_context, ladder, disk_cache, max_tokens, temperature, seed, raw, as_json):
+    """Answer one prompt (a user message in the model's chat template; --raw: a text to continue); with --json,
+    also what the gate and the evictor did."""
     prompt = read_prompt(prompt, prompt_file)
     path = resolve_model(model, answers="run")
 
+    from page_local.chat.session import ChatSession
     from page_local.engine.engine import Engine, Sampling
     from page_local.native.runtime import describe_placement
 
@@ -55,7 +60,9 @@ def run_cmd(model, prompt, prompt_file, budget, evictor, gate, verify_tokens, on
                 if warning:
                     click.echo(f"warning: {warning}", err=True)
             attention = eng.attention.to_dict()
-            stream = eng.stream(prompt, max_tokens=max_tokens, sampling=Sampling(temperature=temperature, seed=seed))
+            sampling = Sampling(temperature=temperature, seed=seed)
+            stream = (eng.stream(prompt, max_tokens=max_tokens, sampling=sampling) if raw else
+                      ChatSession(eng).send(prompt, max_tokens=max_tokens, sampling=sampling))
             for piece in stream:
                 if not as_json:
                     click.echo(piece, nl=False)
