@@ -132,6 +132,11 @@ def test_room_making_is_told_after_what_the_turn_did():
     assert s.startswith("evicted to 1123 of 4494, verified")
     assert "context full: 933 earlier tokens deleted to make room (unchecked); read in 3 parts, 3561 of its 4494 tokens held" in s
     assert "positions 28-1863" in narrate.why(d) and "not checked" in narrate.why(d)
+    assert "attend to least went" not in narrate.why(d)  # no ranking recorded: none is told
+    told = {r: narrate.why(decision(**{**d.to_dict(), "room_ranking": r})) for r in ("question", "hybrid", "bm25")}
+    assert "the cells they attend to least went" in told["question"]
+    assert "sentences least attended to and sharing the fewest of your question's words went" in told["hybrid"]
+    assert "sentences sharing the fewest of your question's words went" in told["bm25"]
     plain = decision(T=638, B=159, kept=638, open=False, evicted=False, gate_mode="page", rule="raw", D=0.02)
     assert narrate.room_words(plain) is None and "context full" not in narrate.status(plain)
 

@@ -10,6 +10,7 @@ import pytest
 
 import tiny_model as tm
 from page_local import ChatSession, Engine
+from page_local.engine import room
 from page_local.eval.conversations import _prose
 
 THREADS = 1  # a shared CPU: two threads that wait on each other are slower
@@ -50,7 +51,7 @@ def test_a_document_longer_than_the_context_keeps_what_its_question_asks(smol, v
         turn = chat.send(vault_message, max_tokens=16)
         answer = "".join(turn)
     finally:
-        smol.set_room_ranking("question")
+        smol.set_room_ranking(room.ROOM_RANKING)
     d = turn.decision
     assert d.chunks >= 2 and d.room_evicted > 0 and d.prompt_held < d.prompt_tokens
     assert d.room_ranking == ranking and (d.room_probe_ms > 0) == (ranking == "question")
@@ -67,7 +68,7 @@ def test_the_ranking_is_validated(smol):
     with pytest.raises(ValueError,
                        match=r"must be one of question, recent, question\+generic, bm25, hybrid; got 'oldest'"):
         smol.set_room_ranking("oldest")
-    assert smol.room_ranking == "question"
+    assert smol.room_ranking == room.ROOM_RANKING == "hybrid"
     with pytest.raises(ValueError, match="evictor 'tova' needs last_query, which room-making does not provide"):
         smol.set_room_evictor("tova")
     assert smol.room_evictor.name == "snapkv-spans"  # the default: SnapKV kept a sentence at a time
@@ -130,7 +131,7 @@ def test_a_message_that_fits_whole_takes_the_answers_room_from_earlier_turns(tin
         list(s)
         d = s.decision
         assert d.chunks == 1 and d.prompt_held == d.prompt_tokens == 320 and d.room_evicted > 0
-        assert d.room_ranking == "question" and d.room_from[1] < eng.conv.pos[start]
+        assert d.room_ranking == room.ROOM_RANKING and d.room_from[1] < eng.conv.pos[start]
 
 
 

@@ -251,7 +251,9 @@ def test_the_ranking_keeps_the_sentence_with_the_questions_terms_in_a_licence(ru
     assert np.isin(eng.ctx.page.positions(0), eng.conv.pos).all()
 
 
-def test_a_ranking_with_words_needs_an_evictor_with_a_score(run):
+def test_a_ranking_with_words_falls_back_to_the_attention_with_an_evictor_without_a_score(run):
+    """The words are added to the room evictor's score: one with none (random) ranks as 'question' does, the
+    Decision says so, and nothing fails mid-turn."""
     cell = run.cells[0]
     eng = run.engine("room-bm25", cell)
     doc = run.document(cell, 0)
@@ -261,7 +263,11 @@ def test_a_ranking_with_words_needs_an_evictor_with_a_score(run):
     eng.set_room_evictor("random")
     try:
         eng.restore(snap)
-        with pytest.raises(ValueError, match="has no score"):
-            eng.prefill(list(r.suffix[0]), add_special=False)
+        d = eng.prefill(list(r.suffix[0]), add_special=False)
+        assert d.room_evicted > 0 and d.room_ranking == "question"
+        eng.restore(snap)
+        eng.set_room_evictor("snapkv-spans", prior="max")
+        d = eng.prefill(list(r.suffix[0]), add_special=False)
+        assert d.room_evicted > 0 and d.room_ranking == "bm25"
     finally:
         ld.set_policy(eng, "room-bm25")

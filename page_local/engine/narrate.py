@@ -221,6 +221,11 @@ def why(d: Decision) -> str:
         if d.room_ranking == "question":
             text += (" They were chosen by what your message asks: its last tokens were read with the probe "
                      "first, and the cells they attend to least went.")
+        elif d.room_ranking in ("hybrid", "bm25"):
+            text += (" They were chosen by what your message asks, whole sentences at a time: its last tokens were "
+                     "read with the probe first, and the sentences "
+                     f"{'least attended to and ' if d.room_ranking == 'hybrid' else ''}sharing the fewest of your "
+                     "question's words went.")
         elif d.room_ranking == "recent":
             text += " They were chosen by the conversation's newest tokens (room ranking 'recent')."
     if d.disk_tokens:

@@ -6,7 +6,7 @@ next message and room for its answer would pass n_ctx, the earlier conversation 
 a low-water mark (LOW_WATER of n_ctx) so that the next turns fit without evicting again, and a
 message longer than the context is prefilled in parts with this eviction between them.
 
-What ranks the cells (ROOM_RANKINGS): "question", the default, ranks them by the queries the next
+What ranks the cells (ROOM_RANKINGS): "question" ranks them by the queries the next
 tokens will ask with: the message's own last W tokens (its question, and the template's turn end)
 are decoded after the cells they are to rank, with the probe armed, read, and removed again (never
 kept: the message is then prefilled at the positions it would have had). So a document read in parts
@@ -58,7 +58,8 @@ BM25, each divided by its largest over the candidates (word_scores; share: RoomM
 default); "bm25" by BM25 alone, the attention ordering only what no question word reaches (TIE). The probe is
 decoded as for "question": the attention part and the sentences BM25 does not score need it. A second message ranks
 again what is held; what went comes back only by reading again (Engine reread), which then ranks it by the new
-message's words too.
+message's words too. "hybrid" is the default (ROOM_RANKING, measured in docs/results.md, "Real prose"); a message
+whose words hold no question, or a room evictor with no score to add the words to, is ranked by the attention alone.
 
 Positions: eviction leaves gaps, and every turn appends after the highest position, so a long chat
 walks past the model's trained context while its cells still fit. close_gaps renumbers the held
@@ -88,6 +89,12 @@ RECENT_MAX = 512
 ON_FULL = ("evict", "refuse")
 # what ranks the cells room-making evicts (see above)
 ROOM_RANKINGS = ("question", "recent", "question+generic", "bm25", "hybrid")
+# the default: the question's attention and its words (issue 57). On real prose at 4x n_ctx 512 (SmolLM2, 25
+# documents) hybrid answered 23 of 44 where "question" answered 11 and the full cache 20 of 48, and held the asked
+# fact's sentence whole in 44 of 44 against 22 (docs/results.md, "Real prose"); on generated sentences it answers
+# as "question" does (the same section). A message with no question in its words, or an evictor with no score
+# (set_evictor), is ranked by the attention alone, as "question".
+ROOM_RANKING = "hybrid"
 # the rankings that read the question's words (issue 57): the share of BM25 in a sentence's score (None: the
 # RoomMaker's lexical_share, LEXICAL_SHARE by default). What share is best is measured: docs/results.md, "Real prose".
 WORD_RANKINGS = {"bm25": 1.0, "hybrid": None}
@@ -273,7 +280,7 @@ class RoomMaker:
 
     def __init__(self, ctx, model, pipeline):
         self.ctx, self.model, self.pipeline = ctx, model, pipeline
-        self.ranking = ROOM_RANKINGS[0]  # what ranks the cells room-making evicts (set_ranking)
+        self.ranking = ROOM_RANKING  # what ranks the cells room-making evicts (set_ranking)
         self._evictor = None  # set_evictor; None: ROOM_EVICTOR
         self._pieces: dict[int, str] = {}  # token -> its text, for sentence_spans
         self.generic_share = GENERIC_SHARE  # "question+generic": the generic query's share of the kept cells
@@ -296,9 +303,9 @@ class RoomMaker:
         return self._evictor
 
     def set_ranking(self, mode: str) -> None:
-        """'question' (the default: the message's own last W tokens rank the cells), 'question+generic' (the
-        question ranks 1 - generic_share of the kept cells, GENERIC_QUERY the rest), 'bm25' or 'hybrid' (the
-        question's attention and its words: BM25 over the sentences, the module docstring) or 'recent' (the
+        """'hybrid' (the default, ROOM_RANKING) or 'bm25' (the question's attention and its words: BM25 over the
+        sentences, the module docstring), 'question' (the message's own last W tokens rank the cells alone),
+        'question+generic' (the question ranks 1 - generic_share of the kept cells, GENERIC_QUERY the rest) or 'recent' (the
         conversation's newest queries, the earlier ranking, kept to compare)."""
         self.ranking = check_room_ranking(mode)
 
@@ -401,7 +408,9 @@ class RoomMaker:
                 ev = self.evictor if self.ranking != "recent" else (
                     rules.evictor if rules.evictor.needs <= {"probe"} else get_evictor("snapkv"))
                 probe = self._ranking_probe(held, tokens, probe, question, room)
-                words = bool(question) and self.ranking in WORD_RANKINGS and bool(room.get("query"))
+                # the words need a question in the message and an evictor with a score to add them to
+                words = (bool(question) and self.ranking in WORD_RANKINGS and bool(room.get("query"))
+                         and type(ev).score is not Evictor.score)
                 # the evictor ranks the unprotected cells only: the protected ones cost it nothing
                 hist_spans = self.history_spans(conv) if "spans" in ev.needs or words else None
                 spans = None if hist_spans is None else hist_spans[conv.indices_of(cand)]
@@ -472,9 +481,6 @@ class RoomMaker:
                       room: dict) -> tuple[np.ndarray, EvictionInput]:
         """(i32 (n,): the cells of cand kept, whole sentences by word_scores; the evictor's input, whose score is
         the attention part): the 'bm25' and 'hybrid' rankings. hist_spans: i64 (len(history),); spans: cand's."""
-        if type(ev).score is Evictor.score:
-            raise ValueError(f"room ranking {self.ranking!r} combines the evictor's score with the question's words; "
-                             f"evictor {ev.name!r} has no score (choose snapkv-spans, the default, or snapkv)")
         t0 = time.perf_counter()
         inp = EvictionInput(held=cand, budget=n, window=np.zeros(0, np.int32), n_sink=0, probe=probe, spans=spans,
                             prior=prior, seed=seed)
@@ -491,6 +497,7 @@ class RoomMaker:
         score = word_scores(attention, per_span[spans], spans, self.lexical_share if share is None else share)
         keep = keep_spans(score, spans, np.zeros(cand.size, bool), n)
         room["words_ms"] += (time.perf_counter() - t0) * 1e3
+        room["ranking"] = self.ranking
         return cand[keep].astype(np.int32), inp
 
     def _piece(self, tok: int) -> str:
