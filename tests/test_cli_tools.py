@@ -83,7 +83,7 @@ def test_models_install_q8_requantizes_the_embedded_model(cli, smollm2_path, tmp
     assert int(reader.fields["general.file_type"].parts[-1][0]) == 7  # LLAMA_FTYPE_MOSTLY_Q8_0
     assert gguf.GGMLQuantizationType.Q8_0 in {t.tensor_type for t in reader.tensors}
     prompt = "The capital of France is"
-    outs = [json.loads(cli("run", "--model", m, "--prompt", prompt, "--max-tokens", "3", "--gate", "never",
+    outs = [json.loads(cli("run", "--model", m, "--prompt", prompt, "--raw", "--max-tokens", "3", "--gate", "never",
                            *SMALL, "--json").stdout)["text"] for m in ("smollm2", "smollm2-q8")]
     assert outs[0] == outs[1] and "Paris" in outs[0], outs
 
