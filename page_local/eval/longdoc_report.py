@@ -24,11 +24,11 @@ from page_local.eval.report import _table
 
 LABEL = {"full": "full cache", "room": "room, ranked by the question, pooled cells",
          "room-spans": "room, ranked by the question, whole sentences",
-         "room-best": "room, ranked by the question, whole sentences, best score of each cut (default)",
+         "room-best": "room, ranked by the question, whole sentences, best score of each cut (the default before issue 57)",
          "room-reread": "room, whole sentences, read again for the next message",
          "room-both": "room, ranked by the question and a generic query, whole sentences",
          "room-bm25": "room, whole sentences ranked by the question's words (BM25)",
-         "room-hybrid": "room, whole sentences ranked by the question's attention and words (hybrid)",
+         "room-hybrid": "room, whole sentences ranked by the question's attention and words (hybrid; the default)",
          "room-hybrid-reread": "room, hybrid, read again for the next message",
          "room-recent": "room, ranked by the newest queries", "shift": "context shift (llama.cpp)",
          "truncate": "truncation (Ollama)", "server": "llama-server (400 over the context)"}
