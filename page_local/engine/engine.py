@@ -36,7 +36,7 @@ from page_local import defaults
 from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.message import Messages, tokens_of
-from page_local.engine.parking import N_SEQ, Parking, park_from_of, shape_of
+from page_local.engine.parking import N_SEQ, Parking, shape_of
 from page_local.engine.room import RoomMaker, check_on_full
 from page_local.engine.selfcheck import Backoff, Payback
 from page_local.engine.settings import (SettingError, TurnSettings, check_budget, check_ladder, check_max_tokens,
@@ -179,8 +179,7 @@ class Engine:
         self.room = RoomMaker(self.ctx, self.model, self.pipeline)  # room on demand (room.py)
         self.pipeline.spans = lambda held: self.room.spans(self.conv, held)  # sentences, for snapkv-spans
         # cells the speed budget parked, and whether it parks (parking.py)
-        self.parking = Parking(self.ctx, park, park_from if park_from is not None else self.default_park_from(),
-                               told=park_from is not None, shape=shape_of(self.model, self.attention.cache_type))
+        self.parking = Parking(self.ctx, park, park_from, shape_of(self.model, self.attention.cache_type))
         self.backoff = Backoff()  # a check refused turn after turn rests (selfcheck.py)
         self.payback = Payback()  # with parking: how long this conversation's answers go on after the check
         a = self.attention
@@ -201,8 +200,7 @@ class Engine:
         park_from = check_park_from(park_from)
         # switched off, the parked cells come back now (no message would any more): the conversation's to change
         with self._busy() if not park and self.parking.count() else nullcontext():
-            self.parking.switch(park, park_from if park_from is not None else self.default_park_from(), self.conv,
-                                told=park_from is not None)
+            self.parking.switch(park, park_from, self.conv)
 
     @property
     def park(self) -> bool:
@@ -214,7 +212,7 @@ class Engine:
 
     def default_park_from(self) -> int:
         """Where parking starts to pay for this model and cache type (parking.park_from_for)."""
-        return park_from_of(self.model, self.attention.cache_type)
+        return self.parking.default_from()
 
     def set_ladder(self, ladder) -> None:
         """The budgets gate mode 'search' tries (ratios of the conversation or cell counts), e.g. the

@@ -101,22 +101,17 @@ def shape_of(model, cache_type: str) -> tuple[int, float, str]:
     return Path(model.path).stat().st_size, cell, str(model.layers_device)
 
 
-def park_from_of(model, cache_type: str) -> int:
-    """park_from_for a loaded model under a KV cache type (shape_of)."""
-    return park_from_for(*shape_of(model, cache_type))
-
-
 class Parking:
     """The parked cells of one conversation (sequence 0 of ctx), how the last ranking scored them, and the policy
     over them: on (the speed budget parks instead of evicting for good) and park_from (below it the full cache is
     kept)."""
 
-    def __init__(self, ctx, on: bool = False, park_from: int = PARK_FROM, told: bool = False,
+    def __init__(self, ctx, on: bool = False, park_from: int | None = None,
                  shape: tuple[int, float, str] | None = None):
         self.ctx = ctx
-        self.on, self.park_from = bool(on), park_from
-        self.told = told  # park_from was given (the user's word that parking pays from there), not the model's own
-        self.shape = shape  # shape_of the model: what step_gain weighs
+        self.shape = shape  # shape_of the model: what park_from_for and step_gain weigh
+        self.on = bool(on)
+        self.park_from, self.told = self._from(park_from)
         self.scores: dict[int, float] = {}  # parked position -> its score when it was parked (lowest goes first)
         self._ranked: tuple[np.ndarray, np.ndarray] | None = None  # (positions, scores) of the last ranking
 
@@ -129,13 +124,22 @@ class Parking:
     def clear(self) -> None:
         self.scores, self._ranked = {}, None
 
-    def switch(self, on: bool, park_from: int, conv: Transcript, told: bool = False) -> None:
-        """Park from now on or not, from park_from cells (told: given by the user, not the model's own). Switched
-        off, the cells parked come back at once: no message would bring them back any more (the caller holds the
+    def default_from(self) -> int:
+        """Where parking starts to pay for this model and cache type (park_from_for of its shape)."""
+        return park_from_for(*self.shape) if self.shape is not None else PARK_FROM
+
+    def _from(self, park_from: int | None) -> tuple[int, bool]:
+        """(park_from, told): the one given (the user's word that parking pays from there), else the model's own."""
+        return (park_from, True) if park_from is not None else (self.default_from(), False)
+
+    def switch(self, on: bool, park_from: int | None, conv: Transcript) -> None:
+        """Park from now on or not, from park_from cells (None: the model's own, default_from). Switched off, the
+        cells parked come back at once: no message would bring them back any more (the caller holds the
         conversation: Engine.set_park)."""
         if not on and self.scores:
             self.unpark(conv, 0)
-        self.on, self.park_from, self.told = bool(on), park_from, told
+        self.on = bool(on)
+        self.park_from, self.told = self._from(park_from)
 
     def gain(self, cells: int, kept: int) -> float | None:
         """What parking all but `kept` of `cells` cells saves of a decode step (step_gain), for the check's payback;

@@ -90,7 +90,7 @@ def check_max_tokens(max_tokens: int) -> int:
 
 
 def check_park_from(park_from: int | None) -> int | None:
-    """None (the model's own default, parking.park_from_of) or a cell count >= 0."""
+    """None (the model's own default, parking.Parking.default_from) or a cell count >= 0."""
     if park_from is not None and (isinstance(park_from, bool) or not isinstance(park_from, int) or park_from < 0):
         raise ValueError(f"park_from must be an int >= 0, got {park_from!r}")
     return park_from
