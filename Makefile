@@ -21,7 +21,7 @@ export CCACHE_BASEDIR ?= $(CURDIR)
 # the build tools (cmake, ninja, ccache) come from the venv
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup chat test test-fast test-durations test-isa fuzz test-asan bench-peer peer-server browser browser-try clean distclean
+.PHONY: texts-try setup chat test test-fast test-durations test-isa fuzz test-asan bench-peer peer-server browser browser-try clean distclean
 
 setup: $(VENV)/.stamp-page-local $(VENV)/.stamp-model
 
@@ -91,7 +91,7 @@ TEST_WORKERS ?= $(JOBS)
 PYTEST := PAGE_LOCAL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q \
           $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
-test: setup browser-try $(VENV)/.stamp-qwen
+test: setup browser-try texts-try $(VENV)/.stamp-qwen
 	$(PYTEST)
 
 # the quick loop: what took 5 s or more in the last recorded run is marked slow (tests/durations.py) and left out
@@ -176,6 +176,17 @@ browser-try:
 	elif command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
 	    $(MAKE) --no-print-directory browser || echo "make test: chromium could not be installed: the browser tests skip"; \
 	else echo "make test: no chromium and no apt-get as root: the browser tests skip (make browser installs them)"; fi
+
+# eval longdoc's real-prose haystack reads texts Debian machines carry (page_local/tasks/realtext.py): the licences
+# (base-files) and the GNU manuals are always there; the Python tutorial and HOWTOs come with python3-doc, which
+# `make test` installs where it can (as for the browser); where it cannot, the tests that read it skip and say why.
+texts-try:
+	@if [ -e /usr/share/doc/python3/html/tutorial/appetite.html ]; then :; \
+	elif command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    { $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q python3-doc; } \
+	        >/dev/null || echo "make test: python3-doc could not be installed: the tests that read it skip"; \
+	else echo "make test: no python3-doc and no apt-get as root: the tests that read it skip"; fi
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(ISA_BUILD) build-pip-test build-peer

@@ -186,12 +186,15 @@ def test_a_run_on_prose_refuses_a_bad_haystack_and_names_a_missing_package_befor
     monkeypatch.setitem(realtext.SOURCES, "gnu-manuals", (tmp_path / "info", files, pkg))
     with pytest.raises(realtext.TextMissing, match="gnu-manuals: 6 of 6 files missing.*coreutils"):
         ld.LongDocRun("no-such-model.gguf", tmp_path / "r.jsonl", haystack="prose")  # before the model is read
+    # documents 0 and 1 read the licences and the Python docs: a run of two never needs the manuals
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        ld.LongDocRun("no-such-model.gguf", tmp_path / "r.jsonl", docs=2, haystack="prose")
 
 
 def test_the_command_says_which_package_is_missing_in_one_line(cli, monkeypatch, tmp_path):
     folder, files, pkg = realtext.SOURCES["python-docs"]
     monkeypatch.setitem(realtext.SOURCES, "python-docs", (tmp_path / "html", files, pkg))
-    res = cli("eval", "longdoc", "--haystack", "prose", "--docs", "1", "--n-ctx", "256", "--lengths", "2",
+    res = cli("eval", "longdoc", "--haystack", "prose", "--docs", "2", "--n-ctx", "256", "--lengths", "2",
               "--pilot-s", "1", "--plan-only", "--out", tmp_path / "rows.jsonl")
     assert res.exit_code == 2, res.output
     last = res.output.strip().splitlines()[-1]
