@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from page_local import Engine
+from page_local.engine.turn import W
 from page_local.store.diskcache import DiskCache
 
 pytestmark = pytest.mark.slow
@@ -40,8 +41,25 @@ def test_a_document_read_once_is_restored_by_the_next_engine(smollm2_path, tmp_p
     n_doc = again.decision.disk_tokens
     assert n_doc > 1000 and again.prompt_tokens == fresh.prompt_tokens
     assert seen[-1][1] == again.prompt_tokens - n_doc  # only the rest was read
+    assert seen[-1][1] >= W  # the message can evict (budget 0.25): the probe's window is read as on a fresh read
     assert again.tokens == fresh.tokens  # the same answer as reading the whole prompt
     assert "from the disk cache" in __import__("page_local.engine.narrate", fromlist=["status"]).status(again.decision)
+
+
+def test_a_message_that_cannot_evict_reads_only_what_the_disk_does_not_hold(smollm2_path, tmp_path):
+    """With the full cache kept (budget 1.0) the probe decides nothing, so the window is not read again: only the
+    tokens after the shared prefix are (the question's own), and the answer is still the fresh read's."""
+    disk = DiskCache(tmp_path / "kv", max_bytes=1 << 30)
+    with engine(smollm2_path, disk, budget=1.0) as e:
+        e.generate(TEXT + Q1, max_tokens=2)
+    with engine(smollm2_path, DiskCache(tmp_path / "kv", max_bytes=1 << 30), budget=1.0) as e:
+        seen = read_counts(e)
+        again = e.generate(TEXT + Q2, max_tokens=12)
+    with engine(smollm2_path, None, budget=1.0) as e:
+        fresh = e.generate(TEXT + Q2, max_tokens=12)
+        n_q2 = len(e.model.tokenize(Q2, add_special=False))
+    assert 1 <= seen[-1][1] == again.prompt_tokens - again.decision.disk_tokens <= n_q2 < W
+    assert again.tokens == fresh.tokens
 
 
 def test_no_disk_cache_reads_everything_and_writes_nothing(smollm2_path, tmp_path):

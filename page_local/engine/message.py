@@ -67,8 +67,10 @@ class Messages:
             self.rewind(again)
         n_msg, from_disk, disk_s = len(toks), 0, 0.0
         if self.disk is not None and again is None:  # a prefix read before comes from the disk (prefixes.py)
+            T = len(conv) + len(toks)  # can this message evict or park? Then its probe's window is read again
+            acts = T > resolve_budget(t.budget, T, W, N_SINK) and not (t.park and not self.parking.pays(T, t.park_from))
             toks, from_disk, disk_s = self.disk.restore(ctx, conv, self.parking, self.snapshots, self.rewind, toks,
-                                                        reserve, t.evictor.needs)
+                                                        reserve, t.evictor.needs, window=W if acts else 1)
             self._save = self.disk.wants(ctx, conv, self.parking, len(toks))
         self.pipeline.progress = progress_of(progress, len(toks))
         try:

@@ -4,8 +4,12 @@ not read again, in a new conversation, after a restart, from another program.
 Before a message is read (message.Messages.answer): when the conversation holds every token it has read (nothing
 evicted, parked or cut for room) and the message fits, the conversation plus the message is looked up; the longest
 saved prompt sharing at least the cache's min_tokens with it is restored (Snapshots: all or nothing) and rewound to
-the shared part, leaving at least the probe's window W to read, so the probe, the gate and room-making work as on a
-fresh prefill. An evictor that reads the whole prefill's attention (h2o) never uses it.
+the shared part. When this message can evict or park (the conversation it makes is over the turn's budget, and
+over park_from where parking keeps the full cache below it), the probe's window W is left to read, so that the
+probe, the gate and the keep set are what a fresh prefill gives; otherwise the probe decides nothing for this
+message (the answer is the full cache's either way) and only the last token is left to read: the window's 32
+tokens cost as much as the file itself (bench disk, docs/benchmarks.md). An evictor that reads the whole prefill's
+attention (h2o) never uses it.
 
 After a message is read (message.Messages._gate, before the gate evicts or parks anything): when it read at least
 min_tokens new tokens into such a conversation, the cache of exactly that prompt is copied to host memory and
@@ -65,8 +69,10 @@ class PrefixDisk:
                 and (n == 0 or (conv.pos[0] == 0 and conv.pos[-1] == n - 1)))
 
     def restore(self, ctx, conv, parking, snapshots, rewind, toks: list[int], reserve: int,
-                needs: frozenset) -> tuple[list[int], int, float]:
-        """Before a message: (the tokens still to read, how many came from the disk, seconds it took)."""
+                needs: frozenset, window: int = W) -> tuple[list[int], int, float]:
+        """Before a message: (the tokens still to read, how many came from the disk, seconds it took). window:
+        the prompt's last tokens read however much is saved (W when the message's probe decides something, else
+        1: the last token's logits)."""
         cache = self.cache
         n_conv = len(conv)
         full_len = n_conv + len(toks)
@@ -78,7 +84,7 @@ class PrefixDisk:
         hit = cache.lookup(self.key, full)
         if hit is None:
             return toks, 0, 0.0
-        upto = min(hit.n_common, full_len - W)  # the probe's window is read, never restored
+        upto = min(hit.n_common, full_len - max(1, window))  # the probe's window is read, never restored
         if upto - n_conv < W:  # no more than the conversation holds already: nothing to gain
             return toks, 0, 0.0
         try:
