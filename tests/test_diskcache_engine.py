@@ -60,6 +60,10 @@ def test_a_message_that_cannot_evict_reads_only_what_the_disk_does_not_hold(smol
         n_q2 = len(e.model.tokenize(Q2, add_special=False))
     assert 1 <= seen[-1][1] == again.prompt_tokens - again.decision.disk_tokens <= n_q2 < W
     assert again.tokens == fresh.tokens
+    with engine(smollm2_path, DiskCache(tmp_path / "kv", max_bytes=1 << 30), budget=1.0) as e:
+        seen = read_counts(e)
+        same = e.generate(TEXT + Q1, max_tokens=2)  # a prompt saved whole: its window is read as a fresh read's
+    assert same.decision.disk_tokens == same.prompt_tokens - W and seen[-1][1] == W
 
 
 def test_no_disk_cache_reads_everything_and_writes_nothing(smollm2_path, tmp_path):

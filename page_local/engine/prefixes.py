@@ -7,9 +7,11 @@ saved prompt sharing at least the cache's min_tokens with it is restored (Snapsh
 the shared part. When this message can evict or park (the conversation it makes is over the turn's budget, and
 over park_from where parking keeps the full cache below it), the probe's window W is left to read, so that the
 probe, the gate and the keep set are what a fresh prefill gives; otherwise the probe decides nothing for this
-message (the answer is the full cache's either way) and only the last token is left to read: the window's 32
-tokens cost as much as the file itself (bench disk, docs/benchmarks.md). An evictor that reads the whole prefill's
-attention (h2o) never uses it.
+message (the answer is the full cache's either way) and only the tokens after the shared prefix are read: the
+window's 32 tokens cost as much as the file itself (bench disk, docs/benchmarks.md). A prompt saved whole (the same
+request again) reads the window again all the same, as serve's slot cache does: llama.cpp rounds a 1-token batch
+differently from a 32-token one, and a sampled answer would differ from a fresh read's. An evictor that reads the
+whole prefill's attention (h2o) never uses it.
 
 After a message is read (message.Messages._gate, before the gate evicts or parks anything): when it read at least
 min_tokens new tokens into such a conversation, the cache of exactly that prompt is copied to host memory and
@@ -84,6 +86,8 @@ class PrefixDisk:
         hit = cache.lookup(self.key, full)
         if hit is None:
             return toks, 0, 0.0
+        if hit.n_common >= full_len:  # the whole prompt saved (the same request again): read the window as a fresh
+            window = W  # prefill does, so that the answer is the same bits, sampled ones too (serve's slot cache)
         upto = min(hit.n_common, full_len - max(1, window))  # the probe's window is read, never restored
         if upto - n_conv < W:  # no more than the conversation holds already: nothing to gain
             return toks, 0, 0.0
