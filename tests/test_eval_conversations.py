@@ -148,3 +148,10 @@ def test_eval_conversations_usage_errors(cli):
     one_line_error(cli("eval", "conversations", "--policies", "full,nope"), 2, "nope")
     one_line_error(cli("eval", "conversations", "--lengths", "1,x"), 2, "--lengths")
     one_line_error(cli("eval", "conversations", "--turns", "9"), 2, "--turns")
+
+
+def test_the_help_names_every_policy(cli):
+    res = cli("eval", "conversations", "--help")
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    assert all(p in text for p in cv.ALL_POLICIES), [p for p in cv.ALL_POLICIES if p not in text]

@@ -205,8 +205,9 @@ def eval_report(results, out_dir, profile, as_json):
 @click.option("--n-ctx", "n_ctx", default=1024, show_default=True, type=click.IntRange(min=128),
               help="The context every policy but the full cache gets.")
 @click.option("--policies", default="full,verify,page,shift,truncate", show_default=True,
-              help="Comma-separated among full, verify, page, room, room-recent, shift, truncate, refuse "
-                   "(page_local/eval/conversations.py says what each does).")
+              help="Comma-separated among full, verify, page, park, room, shift, truncate and, to compare, "
+                   "room-recent, refuse, always, park-always, park-search (page_local/eval/conversations.py says "
+                   "what each does).")
 @click.option("--budget", default=str(defaults.BUDGET), show_default=True, type=BudgetType(),
               help="page-local's speed budget: a share of the conversation.")
 @evictor_option
