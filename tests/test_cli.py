@@ -284,7 +284,7 @@ BENCHES = {
     "disk": (["--tokens", "1100", "--repeats", "1"],
              {"bench", "model", "threads", "repeats", "cache_type", "rows"},
              lambda r: r["cache_type"] == "f16" and len(r["rows"]) == 1 and r["rows"][0]["tokens"] == 1100
-             and all(r["rows"][0][k] > 0 for k in ("read", "first", "disk", "memory", "disk_bytes"))
+             and all(r["rows"][0][k] > 0 for k in ("read", "first", "disk", "memory", "disk_bytes", "save_ms"))
              and "stock" not in r["rows"][0]),  # tests set no stock build
 }
 SLOW = {"peer": pytest.mark.slow, "memory": pytest.mark.slow, "disk": pytest.mark.slow}

@@ -2,7 +2,8 @@
 asked again after a restart, in a new conversation, side by side in one run:
 
   read        page-local reading the whole prompt (no disk cache)
-  first       page-local's first read with the disk cache on (what writing costs: the copy to host memory)
+  first       page-local's first read with the disk cache on (what writing costs: the copy to host memory, save_ms,
+              timed on its own as well: the first read's ratio to `read` moves with the machine's noise)
   disk        a new engine on the same folder (a restart, a new chat), another question: the document restored
   memory      page-local's in-memory prompt cache (serve's slot cache: a snapshot restored and rewound)
   stock       stock llama-server reading the whole prompt (flash attention on and off, the better one)
@@ -88,8 +89,9 @@ def measure(model_path: Path, lengths: list[int], threads: int, peer_bin: Path |
             folder = tempfile.mkdtemp(prefix="page-local-bench-kv-")
             disk = DiskCache(folder, max_bytes=1 << 40)
             with Engine(model_path, disk_cache=disk, **kw) as e:
-                t, _ = _ttft(e, doc + q1)
+                t, res = _ttft(e, doc + q1)
                 row.setdefault("first", []).append(t)
+                row.setdefault("save_ms", []).append(res.decision.disk_save_ms)  # what writing adds to it
             row["disk_bytes"] = disk.nbytes()
             with Engine(model_path, disk_cache=DiskCache(folder, max_bytes=1 << 40), **kw) as e:
                 t, res = _ttft(e, doc + q2)

@@ -362,7 +362,8 @@ def bench_disk(model, lengths, repeats, peer_bin, threads, as_json, **load):
         line = (f"{r['tokens']} tokens ({cache_type}): from disk {r['disk']:.2f} s, reading again {r['read']:.2f} s "
                 f"({r['read'] / r['disk']:.1f}x), in-memory cache {r['memory']:.2f} s (disk / memory "
                 f"{r['disk'] / r['memory']:.2f}x), first read with the cache {r['first']:.2f} s "
-                f"({r['first'] / r['read']:.3f}x reading without), {r['disk_bytes'] / r['tokens'] * 1024 / 1e6:.1f} "
+                f"({r['first'] / r['read']:.3f}x reading without; the copy for the disk {r['save_ms']:.0f} ms, "
+                f"{r['save_ms'] / 1e3 / r['read']:.1%} of reading), {r['disk_bytes'] / r['tokens'] * 1024 / 1e6:.1f} "
                 "MB on disk per 1K tokens")
         if "stock" in r:
             line += (f"; stock llama-server reading again {r['stock']:.2f} s ({r['stock'] / r['disk']:.1f}x from "

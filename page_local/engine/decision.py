@@ -43,6 +43,7 @@ class Decision:
     # search: the batched first chunks of rungs above the chosen one count too)
     disk_tokens: int = 0  # prompt tokens restored from the disk cache of prompt prefixes, not read (prefixes.py)
     disk_ms: float = 0.0  # reading, checking and restoring them
+    disk_save_ms: float = 0.0  # the prompt just read copied to host memory for the disk cache (the write is after)
     lookahead_ms: float | None = None  # LORE-KV: sampling the futures and scoring the prompt (in evict_ms;
     # lorekv-answer: scoring the prompt by the answer, at the check, in verify_ms)
     gate_note: str | None = None  # a calibrated gate used far outside its pilot's prompt lengths

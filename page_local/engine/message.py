@@ -159,9 +159,12 @@ class Messages:
         t0 = time.perf_counter()
         pre = pipe.prefill(toks, pos0, 0, track_attention=select and "prefill_attention" in ev.needs)
         self.conv.extend(toks, pos0)
+        save_ms = 0.0
         if (self._save and len(toks) >= self.disk.cache.min_tokens  # the whole message read in one part
                 and self.disk.whole(self.ctx, self.conv, self.parking)):
+            t_save = time.perf_counter()
             self.disk.save(self.snapshots)  # before the gate evicts or parks anything
+            save_ms = (time.perf_counter() - t_save) * 1e3
         if t.park and pre.probe is not None:
             self.parking.ranked(pre.probe)  # every cell's score by this message: which parked ones go first
         # the speed budget is a share of the whole conversation, so a turn evicts only what brings the
@@ -205,7 +208,8 @@ class Messages:
             compression=T / kept if kept else 1.0, gate_mode=t.gate_mode,
             rule=g.rule if g else "none", reason=reason,
             evictor=ev.name, prefill_ms=pre.prefill_ms, probe_ms=pre.probe_ms,
-            gate_ms=(t3 - t0) * 1e3 - pre.prefill_ms - pre.probe_ms, evict_ms=(t4 - t3) * 1e3,
+            gate_ms=(t3 - t0) * 1e3 - pre.prefill_ms - pre.probe_ms - save_ms, evict_ms=(t4 - t3) * 1e3,
+            disk_save_ms=save_ms,
             agreement=pre.agreement, lookahead_ms=lookahead_ms, gate_note=g.note if g else None,
             parked=self.parking.count(), park_from=t.park_from if short else None,
             check_rested=refused if rested else None, **verify), plan
