@@ -21,7 +21,7 @@ export CCACHE_BASEDIR ?= $(CURDIR)
 # the build tools (cmake, ninja, ccache) come from the venv
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: texts-try setup chat test test-fast test-durations test-isa fuzz test-asan bench-peer peer-server browser browser-try clean distclean
+.PHONY: setup chat test test-fast test-durations test-isa fuzz test-asan bench-peer peer-server browser browser-try texts-try clean distclean
 
 setup: $(VENV)/.stamp-page-local $(VENV)/.stamp-model
 

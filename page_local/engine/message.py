@@ -67,10 +67,10 @@ class Messages:
             self.rewind(again)
         n_msg, from_disk, disk_s = len(toks), 0, 0.0
         if self.disk is not None and again is None:  # a prefix read before comes from the disk (prefixes.py)
-            T = len(conv) + len(toks)  # can this message evict or park? Then its probe's window is read again
-            acts = T > resolve_budget(t.budget, T, W, N_SINK) and not (t.park and not self.parking.pays(T, t.park_from))
+            # a message that can evict or park reads its probe's window again, as a fresh prefill does
+            window = W if self.can_evict(t, len(conv) + len(toks)) else 1
             toks, from_disk, disk_s = self.disk.restore(ctx, conv, self.parking, self.snapshots, self.rewind, toks,
-                                                        reserve, t.evictor.needs, window=W if acts else 1)
+                                                        reserve, t.evictor.needs, window=window)
             self._save = self.disk.wants(ctx, conv, self.parking, len(toks))
         self.pipeline.progress = progress_of(progress, len(toks))
         try:
@@ -152,6 +152,11 @@ class Messages:
             ctx.page.disarm_probe()
             self.conv.truncate(n_hist)
             raise
+
+    def can_evict(self, t: TurnSettings, T: int) -> bool:
+        """Whether _gate would evict or park in a conversation of T cells once its gate opens: over the turn's
+        budget, and at or over park_from under parking (below it the full cache is kept)."""
+        return T > resolve_budget(t.budget, T, W, N_SINK) and not (t.park and not self.parking.pays(T, t.park_from))
 
     def _gate(self, t: TurnSettings, toks: list[int], pos0: int, evict_now: bool, select: bool,
               gap: int) -> tuple[Decision, tuple | None]:

@@ -94,7 +94,7 @@ from page_local.errors import ContextFull
 # the documents (longdoc_docs.py), named here too: the run's rows and its tests speak of them as longdoc's
 from page_local.eval.longdoc_docs import (DEPTHS, FACT, FACTS, INTRO, KINDS, QUESTION, Document, Fact,  # noqa: F401
                                           build_document)
-from page_local.eval.longdoc_prose import build_prose_document
+from page_local.eval.longdoc_prose import build_prose_document, text_kind
 from page_local.eval.rows import read_rows
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
@@ -332,8 +332,8 @@ class LongDocRun:
         if haystack not in HAYSTACKS:
             raise ValueError(f"haystack must be one of {', '.join(HAYSTACKS)}; got {haystack!r}")
         if haystack == "prose":  # said before any model is loaded: which package ships a missing text
-            from page_local.tasks.realtext import KINDS, check_available
-            check_available(KINDS[:docs])  # document i reads KINDS[i % 3]: only the kinds the run's documents read
+            from page_local.tasks.realtext import check_available
+            check_available(tuple(dict.fromkeys(text_kind(i) for i in range(docs))))  # the kinds its documents read
         self.haystack = haystack
         self.model_path, self.out = model_path, Path(out)
         self.docs, self.questions, self.max_tokens, self.seed, self.threads = docs, questions, max_tokens, seed, threads

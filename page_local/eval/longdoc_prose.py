@@ -22,6 +22,13 @@ from page_local.eval.longdoc_docs import FACT, FACTS, QUESTION, Document, Fact, 
 from page_local.tasks import realtext
 
 TEXT_KINDS = realtext.KINDS
+
+
+def text_kind(index: int) -> str:
+    """The kind of real text document `index` is made of: the kinds go round with the index."""
+    return TEXT_KINDS[index % len(TEXT_KINDS)]
+
+
 # per fact kind (longdoc.KINDS: what, where), questions that share only the name with the fact: neither the kind's
 # words ("door", "code", "locker", ...) nor the place's ("office", "gym", ...)
 PARAPHRASES: dict[tuple[str, str], tuple[str, ...]] = {
@@ -82,7 +89,7 @@ def build_prose_document(index: int, n_tokens: int, count_tokens: Callable[[str]
     rng = doc_rng(seed, index)
     names, codes, kinds, depths = fact_names(rng)
     needles = [FACT.format(what=k[0], name=n, where=k[1], code=c) for k, n, c in zip(kinds, names, codes)]
-    kind = TEXT_KINDS[index % len(TEXT_KINDS)]
+    kind = text_kind(index)
     start = doc_rng(seed, "prose", index).random()
     para_q = set(doc_rng(seed, "paraphrased", index).sample(range(FACTS), PARAPHRASED))
 
