@@ -11,7 +11,10 @@ CHAT_BUDGET = 0.25
 CHAT_PARK = True  # chat and serve: a speed budget below 1 parks cells instead of deleting them
 # chat and serve: a message after one that room-making cut reads the conversation again (engine/room.py); off
 # until the long-document evaluation's second questions say it pays for its reading (issue 43)
-CHAT_REREAD = False
+CHAT_REREAD = "never"
+# when a message after a cut reads the conversation again (engine/room.py, "Reading again"): never; when the
+# sentence its question's words meet best (BM25) is one the cut deleted ("words"); or always
+REREADS = ("never", "words", "always")
 # chat and serve: the speed budget keeps whole sentences, as room-making does. On multi-turn magic-number chats at
 # a quarter of the cache the verify check passed on 0 of 54 turns with snapkv's pooled cells (the value's last
 # digits lost) and on most with sentences (docs/results.md, "Parking in conversations")

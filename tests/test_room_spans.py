@@ -115,7 +115,7 @@ def test_reading_again_brings_back_what_the_first_question_let_go(run):
     out = {}
     for policy in ("room-spans", "room-reread"):
         eng = run.engine(policy, cell)
-        assert eng.reread == (policy == "room-reread")
+        assert eng.reread == ("always" if policy == "room-reread" else "never")
         r = ld.reading(policy, prompts, cell.n_ctx, run.max_tokens, eng.n_keep)
         snap, _ = ld.read_shared(eng, r)
         first = ld.ask(eng, snap, r.suffix[2], run.max_tokens)
@@ -141,3 +141,37 @@ def test_reading_again_brings_back_what_the_first_question_let_go(run):
     assert again["held"].all(), again["held"]  # the second question's fact, whole, ranked by its own question
     assert not spans["held"].any(), spans["held"]  # as the first question left it: gone
     assert f"{again['d'].reread} earlier tokens read again" in room_words(again["d"])
+
+
+def test_reading_again_by_the_words_reads_only_when_the_asked_sentence_went(run):
+    """Engine reread "words" (eval policy room-hybrid-words): after the same cut (document 0 at 2x n_ctx 512, the
+    first question about fact 2), a second question about fact 0, whose sentence the cut deleted, reads the
+    conversation again and holds that sentence whole; one about fact 2 again, still held, reads nothing again; nor
+    does a message whose words are not in the document. RoomMaker.words_went says which, from the words alone."""
+    cell = ld.Cell(512, 2.0)
+    doc = run.document(cell, 0)
+    prompts = [run.prompter.tokens(doc.message(q)) for q in range(ld.FACTS)]
+    eng = run.engine("room-hybrid-words", cell)
+    assert eng.reread == "words"
+    r = ld.reading("room-hybrid-words", prompts, cell.n_ctx, run.max_tokens, eng.n_keep)
+    snap, _ = ld.read_shared(eng, r)
+    first = ld.ask(eng, snap, r.suffix[2], run.max_tokens)
+    assert first["room_evicted"] > 0
+    n_before = len(eng.history)
+    prev = run.prompter.render([("user", doc.message(2))]) + first["answer"]
+    asked = {"went": ld.QUESTION.format(**doc.facts[0].__dict__), "held": ld.QUESTION.format(**doc.facts[2].__dict__),
+             "elsewhere": "Thank you, goodbye!"}
+    reread = {}
+    for what, text in asked.items():
+        after = run.prompter.render([("user", doc.message(2)), ("assistant", first["answer"]), ("user", text)])
+        delta = eng.model.tokenize(after[len(prev):], add_special=False)
+        went = eng.room.words_went(eng.conv, delta)
+        s = eng.stream(delta, max_tokens=4, add_special=False)
+        "".join(s)
+        reread[what] = (went, s.decision.reread)
+        if what == "went":
+            assert ld.fact_held(eng, doc.facts[0]) == 1.0  # read again, ranked by the new question
+        ld.ask(eng, snap, r.suffix[2], run.max_tokens)  # the cut as the first question left it, for the next message
+        assert len(eng.history) == n_before
+    assert reread["went"][0] and reread["went"][1] > 0, reread
+    assert reread["held"] == (False, 0) and reread["elsewhere"] == (False, 0), reread

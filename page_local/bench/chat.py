@@ -110,10 +110,11 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
                budget: float | int = defaults.CHAT_BUDGET, peer_bin=None, rpc=None, attention_settings=None,
                park: bool = defaults.CHAT_PARK, park_from: int | None = None,
                evictor: str = defaults.CHAT_EVICTOR, gate: str = defaults.CHAT_GATE,
-               ladder=defaults.CHAT_LADDER) -> dict:
+               ladder=defaults.CHAT_LADDER, verify_tokens: int | None = None) -> dict:
     """A `turns`-turn chat of about outgrow x n_ctx tokens through page-local (n_ctx) and the full cache, and
     stock llama-server when built (peer_bin, else bench/stock.find_bin's default). n_gpu_layers, rpc,
-    attention_settings: as Engine's, for both engines."""
+    attention_settings: as Engine's, for both engines; verify_tokens: page-local's check span (None: the
+    engine's)."""
     from page_local.bench import stock
 
     for name, v, low in (("turns", turns, 2), ("n_ctx", n_ctx, 128), ("gen", gen, 1), ("repeats", repeats, 1),
@@ -129,6 +130,8 @@ def chat_speed(model_path, turns: int = 10, n_ctx: int = 1024, outgrow: float = 
     parking = dict(park=True) if park else {}
     if park and park_from is not None:
         parking["park_from"] = park_from
+    if verify_tokens is not None:
+        parking["verify_tokens"] = verify_tokens
     with Engine(model_path, n_ctx=n_ctx, budget=budget, evictor=evictor, threads=threads, gate=gate, ladder=ladder,
                 **parking, **load) as pl:
         n_train = pl.model.n_ctx_train

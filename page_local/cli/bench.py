@@ -22,6 +22,7 @@ from page_local.cli.common import (
     one_line_errors,
     resolve_model,
     threads_option,
+    verify_tokens_option,
 )
 from page_local.verify import VERIFY_CAP
 
@@ -275,6 +276,7 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
 @(lambda f: evictor_option(f, defaults.CHAT_EVICTOR))  # as `page-local chat`
 @(lambda f: gate_option(f, defaults.CHAT_GATE))
 @(lambda f: ladder_option(f, defaults.CHAT_LADDER))
+@verify_tokens_option
 @click.option("--peer-bin", default=None, type=click.Path(file_okay=False),
               help="folder with stock llama-server (default: $PAGE_LOCAL_PEER_BIN or build-peer/bin, which `make "
                    "peer-server` builds)")
@@ -282,8 +284,8 @@ def bench_peer(model, tokens, budget, n, gen, seed, kvpress_window, kvpress_kern
 @n_gpu_layers_option
 @attention_options
 @json_option()
-def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_from, evictor, gate, ladder, peer_bin,
-               threads, as_json, **load):
+def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_from, evictor, gate, ladder,
+               verify_tokens, peer_bin, threads, as_json, **load):
     """Time to first token and tok/s per turn of a chat that outgrows n_ctx: page-local vs the full cache, and
     vs stock llama-server (default and best flash-attention path) when it is built."""
     from page_local.bench.chat import chat_speed
@@ -320,7 +322,8 @@ def bench_chat(model, turns, n_ctx, outgrow, gen, repeats, budget, park, park_fr
     path = resolve_model(model)
     _bench(as_json, lambda: chat_speed(path, turns=turns, n_ctx=n_ctx, outgrow=outgrow, gen=gen, repeats=repeats,
                                        threads=threads, budget=budget, park=park, park_from=park_from,
-                                       evictor=evictor, gate=gate, ladder=tuple(ladder), peer_bin=peer_bin, **load),
+                                       evictor=evictor, gate=gate, ladder=tuple(ladder), verify_tokens=verify_tokens,
+                                       peer_bin=peer_bin, **load),
            describe)
 
 

@@ -307,6 +307,12 @@ def engine_options(f, budget=defaults.BUDGET, auto_n_ctx: bool = False, evictor:
         context_options(f, auto_n_ctx))), gate), evictor), budget)
 
 
+def _no_reread(ctx, param, value):
+    if value:
+        ctx.params["reread"] = "never"
+    return value
+
+
 def chat_engine_options(f):
     """engine_options for conversations (chat, serve): the budget, evictor, gate and ladder default to defaults.CHAT_*;
     --park, --reread."""
@@ -318,10 +324,15 @@ def chat_engine_options(f):
                      help="With --park: below this many cells the full cache is kept, where setting tokens aside "
                           "does not pay (default: from the model, on the CPU where the cells' K and V weigh an eighth of "
                           "its weights: 2048 on SmolLM2, 4864 on Qwen2.5-Coder-0.5B; page_local/engine/parking.py).")(f)
-    f = click.option("--reread/--no-reread", default=defaults.CHAT_REREAD, show_default=True,
-                     help="After a message too long for the context was cut to fit, the next message reads the "
+    f = click.option("--reread", "reread", type=click.Choice(defaults.REREADS), is_flag=False, flag_value="always",
+                     default=defaults.CHAT_REREAD, show_default=True,
+                     help="After a message too long for the context was cut to fit, whether a later message reads the "
                           "conversation again from the first deleted token, keeping what it asks about (a second "
-                          "question about a long document); costs that reading each message (page_local/engine/room.py).")(f)
+                          "question about a long document), at the cost of that reading: 'words' when the sentence "
+                          "its question's words meet best is one the cut deleted, 'always' (a bare --reread) on "
+                          "every message, 'never' (or --no-reread) not (page_local/engine/room.py).")(f)
+    f = click.option("--no-reread", "no_reread", is_flag=True, expose_value=False, callback=_no_reread,
+                     help="The same as --reread never.")(f)
     f = ladder_option(f, defaults.CHAT_LADDER)
     return engine_options(f, defaults.CHAT_BUDGET, auto_n_ctx=True, evictor=defaults.CHAT_EVICTOR,
                           gate=defaults.CHAT_GATE)

@@ -37,7 +37,7 @@ from page_local.engine import attention
 from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.message import Messages, tokens_of
 from page_local.engine.parking import N_SEQ, Parking, shape_of
-from page_local.engine.room import RoomMaker, check_on_full
+from page_local.engine.room import RoomMaker, check_on_full, check_reread
 from page_local.engine.selfcheck import Backoff, Payback
 from page_local.engine.settings import (SettingError, TurnSettings, check_budget, check_ladder, check_max_tokens,
                                         check_pair, check_park_from, check_verify_tokens, overrides)
@@ -101,7 +101,7 @@ class Engine:
                  on_full: str = defaults.ON_FULL, ladder=defaults.LADDER, rpc=None, autotune: bool = True,
                  tune_progress=None, n_batch: int = 512,
                  attention_settings: attention.AttentionSettings | None = None, type_kv: str | None = None,
-                 park: bool = False, park_from: int | None = None, reread: bool = False, disk_cache=None):
+                 park: bool = False, park_from: int | None = None, reread: bool | str = False, disk_cache=None):
         """model: a GGUF path, None for the embedded default, or a loaded native Model that several engines
         share (a server's slots: one copy of the weights). A shared Model is borrowed: close() leaves it to
         its owner, who closes it after every engine on it; n_gpu_layers and rpc are then the Model's own.
@@ -114,9 +114,11 @@ class Engine:
         CLI's); the environment is then not read. rpc: HOST:PORT of ggml-rpc-servers whose devices take
         offloaded layers (None = $PAGE_LOCAL_RPC, () = none). park: evict for speed by parking (engine/parking.py:
         the cells stay in memory and each message chooses again), from park_from cells on (None: where it pays for
-        this model and cache type, parking.park_from_for). reread: a message after one that room-making cut reads
-        the conversation again from the first token it deleted, ranked by the new message (room.py, "Reading
-        again"): what the cut deleted can come back for a later question, at the cost of reading it again.
+        this model and cache type, parking.park_from_for). reread: whether a message after one that room-making
+        cut reads the conversation again from the first token it deleted, ranked by the new message (room.py,
+        "Reading again"): "never" (False), "always" (True), or "words": when the sentence the message's question
+        meets best by its words lost tokens to the cut. What the cut deleted comes back for a later question, at
+        the cost of reading it again.
         disk_cache: True (the user's cache folder), a folder or a DiskCache: a long prompt once read is kept there and a
         later conversation starting with it restores it, not reads it (engine/prefixes.py); None/False: off."""
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < MIN_BATCH:
@@ -133,7 +135,7 @@ class Engine:
         self.n_keep = 0  # positions below it are never evicted to make room (ChatSession: the system prompt)
         self.set_budget(budget)
         park_from = check_park_from(park_from)  # None: the model's own, once it is loaded (default_park_from)
-        self.reread = bool(reread)
+        self.reread = reread
         self.set_ladder(ladder)
         self._evictor = supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = check_gate_mode(gate)  # validates the mode before loading anything
@@ -201,6 +203,15 @@ class Engine:
         # switched off, the parked cells come back now (no message would any more): the conversation's to change
         with self._busy() if not park and self.parking.count() else nullcontext():
             self.parking.switch(park, park_from, self.conv)
+
+    @property
+    def reread(self) -> str:
+        """When a message after a cut reads the conversation again: "never", "words" or "always" (defaults.REREADS)."""
+        return self._reread
+
+    @reread.setter
+    def reread(self, mode) -> None:
+        self._reread = check_reread(mode)
 
     @property
     def park(self) -> bool:

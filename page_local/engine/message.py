@@ -61,7 +61,9 @@ class Messages:
         if t.verifies:  # one copy of the answer (search batches first chunks if room is left)
             reserve += min(max_tokens, t.verify_tokens) + 1
         start = len(conv)  # where this message begins: an answer never evicts it to make room
-        again = reread_from(conv) if t.reread and t.on_full == "evict" else None
+        again = reread_from(conv) if t.reread != "never" and t.on_full == "evict" else None
+        if again is not None and t.reread == "words" and not self.room.words_went(conv, toks):
+            again = None  # what the message asks about is still held, or is not in the conversation
         if again is not None:  # read the conversation again from the first token room-making deleted
             toks = conv.history[again:] + toks
             self.rewind(again)

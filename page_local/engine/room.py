@@ -43,8 +43,11 @@ Reading again (Engine reread, off by default): what room-making deleted was chos
 read then; a later message about another part of it finds nothing (issue 43: a second question about a long
 document, 0 of 12 where the full cache answered 6). With reread, the message after a cut reads the conversation
 again from the first token room-making deleted (reread_from), through room-making ranked by the new message:
-the deleted part comes back if the new message asks about it. The cost is that reading again, every message
-while the conversation holds a cut (its time to first token is the long message's again); nothing else changes.
+the deleted part comes back if the new message asks about it. The cost is that reading again (its time to first
+token is the long message's again); nothing else changes. "always" pays it on every message while the
+conversation holds a cut; "words" only when the sentence that the new message's question meets best by its words
+(BM25, as "hybrid" ranks: words_went) lost tokens to a cut, so that a follow-up about what is still held, or a
+message about something else, is read as it is.
 
 Reading the words too (issue 57; "bm25" and "hybrid"): on real prose a 135M model's attention from a question does
 not single out the fact's sentence among 2 000 tokens of essay (4x n_ctx 512: room 7 of 16 where the full cache
@@ -75,6 +78,7 @@ from typing import Callable
 
 import numpy as np
 
+from page_local import defaults
 from page_local.engine.decision import Decision
 from page_local.engine.transcript import Transcript
 from page_local.engine.turn import N_SINK, TOP_K, W
@@ -137,6 +141,15 @@ def reread_from(conv: Transcript) -> int | None:
     """The first history index room-making deleted (where reading again starts), None if it deleted none or
     that is not known (a conversation restored from a snapshot)."""
     return min(conv.room_out) if conv.room_out else None
+
+
+def check_reread(mode) -> str:
+    """A reread mode (defaults.REREADS); True and False, the older switch, are "always" and "never"."""
+    if mode is True or mode is False:
+        return "always" if mode else "never"
+    if mode not in defaults.REREADS:
+        raise ValueError(f"reread must be one of {', '.join(defaults.REREADS)}; got {mode!r}")
+    return mode
 
 
 def check_room_ranking(mode: str) -> str:
@@ -487,18 +500,40 @@ class RoomMaker:
         attention = ev.score(inp)  # f64 (T,): with snapkv-spans' prior "max", each cell's best of the cuts
         # the conversation's sentences as text (control tokens left out), evicted ones included: BM25's IDF is the
         # document's, and the same sentence scores the same at every cut
-        hist = conv.history
-        texts: list[list[str]] = [[] for _ in range(int(hist_spans.max()) + 1 if hist_spans.size else 0)]
-        for t, i in zip(hist, hist_spans.tolist()):
-            if not self.model.is_control(int(t)):
-                texts[i].append(self._piece(int(t)))
-        per_span = bm25_scores(["".join(x) for x in texts], room["query"])
+        per_span = bm25_scores(self.span_texts(conv, hist_spans), room["query"])
         share = WORD_RANKINGS[self.ranking]
         score = word_scores(attention, per_span[spans], spans, self.lexical_share if share is None else share)
         keep = keep_spans(score, spans, np.zeros(cand.size, bool), n)
         room["words_ms"] += (time.perf_counter() - t0) * 1e3
         room["ranking"] = self.ranking
         return cand[keep].astype(np.int32), inp
+
+    def span_texts(self, conv: Transcript, hist_spans: np.ndarray) -> list[str]:
+        """The text of each of the conversation's sentences (hist_spans: history_spans), evicted ones included,
+        control tokens left out."""
+        hist = conv.history
+        texts: list[list[str]] = [[] for _ in range(int(hist_spans.max()) + 1 if hist_spans.size else 0)]
+        for t, i in zip(hist, hist_spans.tolist()):
+            if not self.model.is_control(int(t)):
+                texts[i].append(self._piece(int(t)))
+        return ["".join(x) for x in texts]
+
+    def words_went(self, conv: Transcript, toks: list[int]) -> bool:
+        """Reading again "words": whether the sentence of the conversation that the message's question (query_text)
+        meets best by BM25 lost tokens to room-making (conv.room_out), i.e. what it asks about went with a cut.
+        False when no cut is known, the message asks nothing, or none of its words is in the conversation."""
+        if not conv.room_out:
+            return False
+        query = self.query_text(toks)
+        if not query:
+            return False
+        spans = self.history_spans(conv)
+        scores = bm25_scores(self.span_texts(conv, spans), query)
+        if not scores.size or scores.max() <= 0:
+            return False
+        went = np.zeros(scores.size, bool)
+        went[spans[np.fromiter(conv.room_out, np.int64)]] = True
+        return bool(went[int(np.argmax(scores))])
 
     def _piece(self, tok: int) -> str:
         p = self._pieces.get(tok)

@@ -47,7 +47,7 @@ class TurnSettings:
     seed: int
     park: bool = False  # evict for speed by parking (engine/parking.py)
     park_from: int = 0  # with park: below this many cells the full cache is kept
-    reread: bool = False  # after a message room-making cut, read the conversation again (room.reread_from)
+    reread: str = "never"  # after a message room-making cut, read the conversation again (defaults.REREADS)
 
     @property
     def verifies(self) -> bool:

@@ -34,6 +34,9 @@ Policies (POLICIES), greedy answers of at most max_tokens, on the same documents
                LEXICAL_SHARE x its BM25, each normalised by its largest (room ranking "hybrid").
 * room-hybrid-reread  room-hybrid, and a message after the cut reads the conversation again (as room-reread): the
                second question ranks what is held and what went by its own attention and words.
+* room-hybrid-words  room-hybrid, and a message after the cut reads the conversation again only when the sentence
+               its question's words meet best (BM25) went with the cut (Engine reread "words"): room-hybrid's cost
+               where the asked sentence is held, room-hybrid-reread's answer where it went.
 * room-reread  room-spans, and a message after the cut reads the conversation again from the first token room
                made it delete (Engine reread): the same as room-spans on a first question; a second question
                ranks the document again by itself, at the cost of that reading.
@@ -99,8 +102,9 @@ from page_local.eval.rows import read_rows
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
 # the room policies that read the question's words too (issue 57): room-best's cells, its spans ranked by BM25 over
-# the question's terms (room-bm25) or by a share of each (room-hybrid); room-hybrid-reread reads again (room-reread)
-WORDS = ("room-bm25", "room-hybrid", "room-hybrid-reread")
+# the question's terms (room-bm25) or by a share of each (room-hybrid); room-hybrid-reread reads again (room-reread),
+# room-hybrid-words when the words point to what went
+WORDS = ("room-bm25", "room-hybrid", "room-hybrid-reread", "room-hybrid-words")
 POLICIES = ("full", "room", "room-spans", "room-best") + WORDS + ("room-reread", "room-both", "room-recent", "shift",
                                                                   "truncate", "server")
 # the policies that run (server: a 400, no run)
@@ -113,8 +117,8 @@ ROOM_EVICTORS = {"room": ROOM_POOLED, "room-recent": ROOM_POOLED, "room-spans": 
                  "room-both": ("snapkv-spans", {"prior": "none"}),
                  **{p: ("snapkv-spans", {"prior": "max"}) for p in WORDS}}
 ROOM_RANKING = {"room-recent": "recent", "room-both": "question+generic", "room-bm25": "bm25", "room-hybrid": "hybrid",
-                "room-hybrid-reread": "hybrid"}  # else "question"
-REREAD = ("room-reread", "room-hybrid-reread")
+                "room-hybrid-reread": "hybrid", "room-hybrid-words": "hybrid"}  # else "question"
+REREAD = {"room-reread": "always", "room-hybrid-reread": "always", "room-hybrid-words": "words"}  # else "never"
 HAYSTACKS = ("generated", "prose")  # the documents' text: generated sentences, or real prose (eval/longdoc_prose.py)
 N_CTXS = (512, 1024)
 LENGTHS = (2, 4)
@@ -226,7 +230,7 @@ def set_policy(eng: Engine, policy: str) -> Engine:
     eng.set_room_ranking(ROOM_RANKING.get(policy, "question"))
     name, options = ROOM_EVICTORS.get(policy, ROOM_POOLED)
     eng.set_room_evictor(name, **options)
-    eng.reread = policy in REREAD
+    eng.reread = REREAD.get(policy, "never")
     return eng
 
 

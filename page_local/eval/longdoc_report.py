@@ -30,6 +30,7 @@ LABEL = {"full": "full cache", "room": "room, ranked by the question, pooled cel
          "room-bm25": "room, whole sentences ranked by the question's words (BM25)",
          "room-hybrid": "room, whole sentences ranked by the question's attention and words (hybrid; the default)",
          "room-hybrid-reread": "room, hybrid, read again for the next message",
+         "room-hybrid-words": "room, hybrid, read again when the next question's words point to what went",
          "room-recent": "room, ranked by the newest queries", "shift": "context shift (llama.cpp)",
          "truncate": "truncation (Ollama)", "server": "llama-server (400 over the context)"}
 Z95 = 1.959964

@@ -48,7 +48,7 @@ class Settings:
     budget: float | int = defaults.CHAT_BUDGET
     park: bool = defaults.CHAT_PARK  # the speed budget parks cells (engine/parking.py)
     park_from: int | None = None  # with park: the engine's park_from (None: its default)
-    reread: bool = defaults.CHAT_REREAD  # after a cut, the next message reads the conversation again (room.py)
+    reread: str = defaults.CHAT_REREAD  # after a cut, when the next message reads the conversation again (room.py)
     evictor: str = defaults.CHAT_EVICTOR
     gate: str = defaults.CHAT_GATE
     ladder: tuple = defaults.CHAT_LADDER  # the budgets gate "search" tries, smallest first
