@@ -764,6 +764,23 @@ def test_cli_chat_not_a_gguf(tmp_path, monkeypatch):
     assert res.output.strip().count("\n") == 0  # one line
 
 
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_reread_is_words_by_default_a_bare_flag_always_and_no_reread_never(command):
+    """--reread MODE (defaults.REREADS), a bare --reread (the older flag) "always", --no-reread "never"; parsed as
+    the command parses it, nothing loaded. A mode it does not know is a usage error that names the modes."""
+    import click
+
+    from page_local.cli.chat import chat_cmd
+    from page_local.cli.serve import serve_cmd
+
+    cmd = {"chat": chat_cmd, "serve": serve_cmd}[command]
+    for args, want in (([], "words"), (["--reread"], "always"), (["--reread", "--n-ctx", "512"], "always"),
+                       (["--reread", "never"], "never"), (["--reread=words"], "words"), (["--no-reread"], "never")):
+        assert cmd.make_context(command, list(args)).params["reread"] == want, args
+    with pytest.raises(click.BadParameter, match="never.*words.*always"):
+        cmd.make_context(command, ["--reread", "sometimes"])
+
+
 def test_cli_chat_reread_reads_a_cut_document_again_for_the_next_question(smollm2_path, tmp_path):
     """chat --reread: a document twice the context is read in parts (room made); the next message reads the
     conversation again from the first token room-making deleted, and the status line says so. Without it the
