@@ -135,7 +135,7 @@ class Engine:
         self.n_keep = 0  # positions below it are never evicted to make room (ChatSession: the system prompt)
         self.set_budget(budget)
         park_from = check_park_from(park_from)  # None: the model's own, once it is loaded (default_park_from)
-        self.reread = reread
+        self.set_reread(reread)
         self.set_ladder(ladder)
         self._evictor = supported(get_evictor(evictor, **(evictor_options or {})))
         self.gate_mode = check_gate_mode(gate)  # validates the mode before loading anything
@@ -204,14 +204,8 @@ class Engine:
         with self._busy() if not park and self.parking.count() else nullcontext():
             self.parking.switch(park, park_from, self.conv)
 
-    @property
-    def reread(self) -> str:
-        """When a message after a cut reads the conversation again: "never", "words" or "always" (defaults.REREADS)."""
-        return self._reread
-
-    @reread.setter
-    def reread(self, mode) -> None:
-        self._reread = check_reread(mode)
+    def set_reread(self, mode: bool | str) -> None:  # "never", "words", "always" (defaults.REREADS); True, False
+        self.reread = check_reread(mode)
 
     @property
     def park(self) -> bool:
@@ -373,23 +367,14 @@ class Engine:
         conversation restored from a snapshot). A token neither held nor evicted for room was evicted by
         the speed budget (the gate's Decision)."""
         with self._busy():
-            held = np.zeros(len(self.history), dtype=bool)
-            held[self.conv.indices_of(self.ctx.page.positions(0))] = True
-            if self.conv.room_out is None:
-                return held, None
-            room = np.zeros(len(self.history), dtype=bool)
-            room[[i for i in self.conv.room_out if i < room.size]] = True
-            return held, room & ~held
+            held, room = self.conv.marks(self.ctx.page.positions(0)), self.conv.room_marks()
+            return held, None if room is None else room & ~held
 
     def parked_map(self) -> np.ndarray:
         """bool (len(history),): the tokens of the conversation parked now (engine/parking.py: in memory, out of
         the attention, back before the next message)."""
         with self._busy():
-            out = np.zeros(len(self.history), dtype=bool)
-            parked = self.parking.positions()
-            if parked.size:
-                out[self.conv.indices_of(parked)] = True
-            return out
+            return self.conv.marks(self.parking.positions())
 
     # --- one turn (message.py) -----------------------------------------------------------------
     def stream(self, prompt: str | list[int], max_tokens: int = defaults.MAX_TOKENS, sampling: Sampling | None = None,

@@ -55,3 +55,18 @@ class Transcript:
         that position is the held token."""
         return np.searchsorted(np.asarray(self.pos, dtype=np.int64), np.asarray(held, dtype=np.int64),
                                side="right") - 1
+
+    def marks(self, held) -> np.ndarray:
+        """bool (len(history),): the tokens at these cache positions (ascending)."""
+        out = np.zeros(len(self.history), dtype=bool)
+        if len(held):
+            out[self.indices_of(held)] = True
+        return out
+
+    def room_marks(self) -> np.ndarray | None:
+        """bool (len(history),): the tokens room-making evicted; None when that is not known."""
+        if self.room_out is None:
+            return None
+        out = np.zeros(len(self.history), dtype=bool)
+        out[[i for i in self.room_out if i < out.size]] = True
+        return out

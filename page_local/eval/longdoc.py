@@ -230,7 +230,7 @@ def set_policy(eng: Engine, policy: str) -> Engine:
     eng.set_room_ranking(ROOM_RANKING.get(policy, "question"))
     name, options = ROOM_EVICTORS.get(policy, ROOM_POOLED)
     eng.set_room_evictor(name, **options)
-    eng.reread = REREAD.get(policy, "never")
+    eng.set_reread(REREAD.get(policy, "never"))
     return eng
 
 
