@@ -79,6 +79,11 @@ def test_a_summaries_run_keeps_its_rows_apart(smollm2_path, tmp_path):
     assert res["rows_written"] == 2
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r.get("verify_tokens") for r in rows] == [None, None, None, None, 16, 16]
+    # each row names the CPU and the build that made it; rows made elsewhere still count for the resume
+    from page_local.store.tuning import machine_signature
+    assert {r["machine"] for r in rows} == {machine_signature()} and all(r["library"] for r in rows)
+    out.write_text("".join(json.dumps(dict(r, machine="another CPU")) + "\n" for r in rows))
+    assert cv.run_conversations(smollm2_path, summaries=True, verify_tokens=16, **kw)["rows_written"] == 0
 
 
 # --- a tiny run on SmolLM2 ---------------------------------------------------------------------------
