@@ -68,7 +68,7 @@ from page_local.chat.session import ChatSession
 from page_local.chat.template import ChatTemplate
 from page_local.engine.engine import Engine
 from page_local.errors import ContextFull
-from page_local.eval.rows import read_rows
+from page_local.eval.rows import made_where, read_rows
 from page_local.tasks import synthetic
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
@@ -410,9 +410,7 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
     context holds the longest conversation: max(lengths) x n_ctx and the answers. n_gpu_layers, rpc,
     attention_settings, allow_long_context: as Engine's. verify_tokens: the check's span (None: the engine's,
     64); a shorter one lets more long answers pass and go on over a parked cache."""
-    from page_local.native.pageops import library_dir
     from page_local.store.gguf import gguf_metadata, model_identity
-    from page_local.store.tuning import library_signature, machine_signature
 
     bad = [p for p in policies if p not in ALL_POLICIES]
     if bad or not policies:
@@ -425,9 +423,7 @@ def run_conversations(model_path, n: int = 6, turns: int = 6, lengths: Sequence[
     out.parent.mkdir(parents=True, exist_ok=True)
     base = dict(model=model_identity(model_path), model_name=gguf_metadata(model_path).get("general.name"),
                 turns=turns, n_ctx=n_ctx, budget=budget, max_tokens=max_tokens, seed=seed)
-    # where a row was made (not key fields: a run resumed on another CPU keeps its rows; its answers may differ by
-    # the CPU family's rounding, so rows of different machines are not paired evidence)
-    made = dict(machine=machine_signature(), library=library_signature(library_dir()))
+    made = made_where()
     if evictor != defaults.EVICTOR:  # rows of the default evictor carry no field (as before it could be chosen)
         base["evictor"] = evictor
     if summaries:  # likewise: rows of short-answer chats carry no field

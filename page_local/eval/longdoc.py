@@ -98,7 +98,7 @@ from page_local.errors import ContextFull
 from page_local.eval.longdoc_docs import (DEPTHS, FACT, FACTS, INTRO, KINDS, QUESTION, Document, Fact,  # noqa: F401
                                           build_document)
 from page_local.eval.longdoc_prose import build_prose_document, text_kind
-from page_local.eval.rows import read_rows
+from page_local.eval.rows import made_where, read_rows
 from page_local.tasks.scoring import normalize_prediction, string_match_all
 
 # the room policies that read the question's words too (issue 57): room-best's cells, its spans ranked by BM25 over
@@ -320,9 +320,7 @@ class LongDocRun:
                  lengths: Sequence[float] = LENGTHS, policies: Sequence[str] = POLICIES, max_tokens: int = 32,
                  seed: int = 42, threads: int = 2, engine_options: dict | None = None, second: bool = False,
                  haystack: str = "generated"):
-        from page_local.native.pageops import library_dir
         from page_local.store.gguf import gguf_metadata, model_identity
-        from page_local.store.tuning import library_signature, machine_signature
 
         bad = [p for p in policies if p not in POLICIES]
         if bad or not policies:
@@ -344,11 +342,8 @@ class LongDocRun:
         self.cells = [Cell(n, float(L)) for n in n_ctxs for L in lengths]
         self.policies = [p for p in POLICIES if p in policies]
         self.engine_options = dict(engine_options or {})
-        # machine and library: where a row was made (greedy answers move with a CPU family's rounding and with
-        # a rebuilt kernel; rows made on different ones are not paired evidence of a policy's effect)
         self.base = dict(model=model_identity(model_path), model_name=gguf_metadata(model_path).get("general.name"),
-                         max_tokens=max_tokens, seed=seed, machine=machine_signature(),
-                         library=library_signature(library_dir()))
+                         max_tokens=max_tokens, seed=seed, **made_where())  # rows.made_where
         self.second = bool(second)
         if self.second:  # a key field only here: the rows of the one-question mode keep their keys
             self.base["turns"] = 2

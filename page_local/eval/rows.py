@@ -68,3 +68,12 @@ def read_rows(path: str | os.PathLike, repair: bool = False) -> list[dict]:
                 raise ValueError(f"{path}:{i + 1}: not a results row ({e})") from None
         offset = end
     return rows
+
+
+def made_where() -> dict:
+    """machine and library: the CPU and the build that made a row (not key fields: greedy answers move with a CPU
+    family's rounding and with a rebuilt kernel, so rows of different ones are not paired evidence of a policy's
+    effect, but a run resumed elsewhere keeps its rows)."""
+    from page_local.native.pageops import library_dir
+    from page_local.store.tuning import library_signature, machine_signature
+    return dict(machine=machine_signature(), library=library_signature(library_dir()))
