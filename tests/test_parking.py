@@ -42,7 +42,17 @@ def turn(session: ChatSession, k: int):
     return say(session, TURNS[k], MAX[k])
 
 
-def test_a_later_turn_finds_what_parking_kept(smollm2_path):
+@pytest.fixture
+def selects(monkeypatch):
+    """How many keep sets the turns selected (turn.Pipeline.select calls)."""
+    from page_local.engine.turn import Pipeline
+
+    calls, real = [], Pipeline.select
+    monkeypatch.setattr(Pipeline, "select", staticmethod(lambda *a, **kw: calls.append(1) or real(*a, **kw)))
+    return calls
+
+
+def test_a_later_turn_finds_what_parking_kept(smollm2_path, selects):
     """The second turn's first CAP answer tokens pass the check on a quarter of the cache, so its eviction is committed
     (three quarters parked) and the answer goes on from the parked cache; the third asks about the other door. Parked, the cells come back before the third message is read and it is answered as
     with the full cache (on an Intel Xeon, evicting them for good instead answered "5821")."""
@@ -53,16 +63,18 @@ def test_a_later_turn_finds_what_parking_kept(smollm2_path):
     eng, s = chat(smollm2_path, budget=0.25, park=True, park_from=0)
     with eng:
         turn(s, 0)
+        assert not selects  # the greeting was over inside the check's span: its keep set was never selected
         answer, dec = turn(s, 1)
         assert answer == full[1]
         assert dec.evicted and dec.parked > 400 and dec.kept < dec.T / 3  # committed: three quarters parked
+        assert len(selects) == 1  # selected at the check (selfcheck.KeepSets)
         assert eng.parking.count() == dec.parked == len(eng.ctx.page.parked(PARK_SEQ))
         answer, dec = turn(s, 2)
         assert dec.restored > 400  # every parked cell was back before the message was read
         assert answer == full[2]
 
 
-def test_an_answer_over_within_the_check_runs_none_and_stays_the_full_cache(smollm2_path):
+def test_an_answer_over_within_the_check_runs_none_and_stays_the_full_cache(smollm2_path, selects):
     """With parking, an answer that is over inside the check's span (here: 16 tokens at most, the default span 32) is
     not checked: no token is left for a parked cache to speed up and the next message chooses again. Nothing is
     forced, nothing parked, no verdict counted, and every turn's log-probabilities are the full cache's, bit for bit.
@@ -83,6 +95,7 @@ def test_an_answer_over_within_the_check_runs_none_and_stays_the_full_cache(smol
                 park_from=0) as eng:
         parked = run(eng)
         assert eng.backoff.refused == 0 and eng.parking.count() == 0
+        assert not selects  # no check ran, so no keep set was ever selected (selfcheck.KeepSets)
     for (lp, d), (lp_full, _) in zip(parked, full):
         assert d.check_unneeded == len(lp) and d.verify_forced is None and d.parked == 0 and not d.evicted
         assert "nothing was left to speed up" in d.reason

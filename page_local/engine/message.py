@@ -24,7 +24,7 @@ from page_local.engine.decision import Decision, Result, Sampling
 from page_local.engine.generation import AnswerLoop
 from page_local.engine.parking import PARK_SEQ, Parking
 from page_local.engine.room import RoomMaker, answer_room, reread_from
-from page_local.engine.selfcheck import AfterAnswer, Backoff, Payback, SelfCheck, unpaid
+from page_local.engine.selfcheck import AfterAnswer, Backoff, KeepSets, Payback, SelfCheck, unpaid
 from page_local.engine.settings import TurnSettings
 from page_local.engine.snapshots import Snapshots
 from page_local.engine.transcript import Transcript
@@ -88,11 +88,12 @@ class Messages:
         park = self.parking.parker(dec, reserve) if t.park else None  # a passed check parks instead of evicting
         gain = None
         if plan is not None and t.park and max_tokens >= t.verify_tokens:  # an answer that can reach the cap
-            keeps = plan[0]
-            kept = min(b for b, _ in keeps) if not callable(keeps) else dec.B
+            keeps = plan[0]  # KeepSets: the budgets are known now, the keep sets are selected at the check
+            after = isinstance(keeps, AfterAnswer)
+            kept = dec.B if after else min(keeps.budgets)
             gain = self.parking.gain(dec.T, kept + max_tokens)
             expected = self.payback.expected(max_tokens, t.verify_tokens)
-            needed = self.payback.needed(t.verify_tokens, 1 if callable(keeps) else len(keeps), gain)
+            needed = self.payback.needed(t.verify_tokens, 1 if after else len(keeps.budgets), gain)
             if expected < needed:  # a check there could not pay back: none is prepared
                 plan = None
                 unpaid(dec, t.verify_tokens, expected, needed)
@@ -224,8 +225,9 @@ class Messages:
     def _evict_or_plan(self, t: TurnSettings, pre: Prefilled, toks: list[int], pos0: int, T: int, B: int,
                        evict_now: bool, gap: int) -> tuple[bool, tuple | None, float | None]:
         """The gate opened over the budget: the evictor's signals and keep set(s), evicted now (evict_now, one
-        budget) or planned for the check ((keeps, held, last_pos, last_tok): one keep per rung of the ladder under
-        search, or a function of the answer for an evictor that reads it). Returns (evicted, plan, lookahead ms)."""
+        budget) or planned for the check ((keeps, held, last_pos, last_tok): keeps a selfcheck.KeepSets, one keep set per
+        rung of the ladder under search, selected when the check runs; AfterAnswer's read the answer too). Returns
+        (evicted, plan, lookahead ms)."""
         pipe, ev = self.pipeline, t.evictor
         last_pos, last_tok = pos0 + len(toks) - 1, toks[-1]
         signals = pipe.signals(ev.needs, pre, last_pos, last_tok, spec=getattr(ev, "spec", None),
@@ -239,12 +241,10 @@ class Messages:
         if ev.needs & AFTER_ANSWER:  # the keep sets wait for the full cache's answer (SelfCheck)
             return False, (AfterAnswer(pipe, ev, pre, rungs, last_pos, signals, t.seed), pre.held, last_pos,
                            last_tok), lookahead_ms
-        if t.gate_mode in SEARCH_MODES:
-            return False, ([(b, pipe.select(ev, pre, b, signals, t.seed)) for b in rungs], pre.held, last_pos,
-                           last_tok), lookahead_ms
+        if not evict_now or t.gate_mode in SEARCH_MODES:  # the keep sets wait for the check (selfcheck.KeepSets)
+            keeps = KeepSets(pipe, ev, pre, rungs, signals, t.seed)
+            return False, (keeps, pre.held, last_pos, last_tok), lookahead_ms
         keep = pipe.select(ev, pre, B, signals, t.seed)
-        if not evict_now:
-            return False, ([(B, keep)], pre.held, last_pos, last_tok), lookahead_ms
         pipe.evict_in_place(0, keep, pre.held, last_pos, last_tok, compact=t.compact,
                             park=PARK_SEQ if t.park else None, gap=gap)
         if t.park:  # what evict_in_place parked, scored by this message's ranking

@@ -20,8 +20,8 @@ from page_local.verify import kl
 
 class SelfCheck:
     """The check of one turn: dec is the turn's Decision (updated with the verdict), plan the eviction plan
-    the gate left ((keeps, held, last_pos, last_tok); keeps: [(B, keep)] smallest B first, or a function of
-    the answer); rule, threshold: verify.RULES; cap: the most answer tokens checked; ladder: the budgets as
+    the gate left ((keeps, held, last_pos, last_tok); keeps: [(B, keep)] smallest B first, or KeepSets, which
+    selects them when the check runs); rule, threshold: verify.RULES; cap: the most answer tokens checked; ladder: the budgets as
     the user gave them (for the status line); compact: move the committed copy's cells together. park: None, or
     park(positions, answered) — a passed check parks the positions the copy dropped (engine/parking.py) instead of
     evicting them; the answer's cells of the full cache stay (they were computed with the whole conversation). With
@@ -44,7 +44,7 @@ class SelfCheck:
         the end-of-generation token the full cache chose after out (then full_logits has one more
         entry, and the candidate must end the answer there too). Updates dec."""
         ctx, pipe, dec = self.ctx, self.pipeline, self.dec
-        keeps, held, last_pos, last_tok = self.plan  # keeps: [(B, keep)], smallest B first, or a function of the answer
+        keeps, held, last_pos, last_tok = self.plan  # keeps: [(B, keep)], smallest B first, or KeepSets
         m = len(out)
         if self.park is not None and until != "cap":
             # parking, and the answer is over inside the span (it ended, or max_tokens or the context stopped it):
@@ -59,8 +59,10 @@ class SelfCheck:
         if ctx.cells_used(0) + m + 1 > ctx.n_ctx:  # one candidate at a time holds a copy of the answer
             dec.reason += "; self-verification skipped: no room in the cache for the evicted candidate"
             return
-        if callable(keeps):  # keep sets scored by this answer (lorekv-answer): chosen now
-            keeps, dec.lookahead_ms = keeps(out)
+        if callable(keeps):  # the keep sets are selected now (KeepSets; lorekv-answer's scored by this answer)
+            keeps, ms = keeps(out)
+            if ms is not None:
+                dec.lookahead_ms = ms
         y = list(out) + ([end] if end is not None else [])
         k = len(y)  # positions: m answer tokens (+ the answer's end)
         full_logits = full_logits[:k]
@@ -122,14 +124,28 @@ class SelfCheck:
                            + ("eviction committed" if commit else "kept the full cache"))
 
 
-class AfterAnswer:
+class KeepSets:
+    """The check's keep sets, one per budget (smallest first), selected when the check runs rather than when the
+    message is read: an answer that is over inside the check's span runs no check under parking, and then never
+    pays for them (two rungs of snapkv-spans: 87 ms of the message's time to first token at 17.8K cells,
+    Qwen2.5-Coder, AMD Zen 1). Called with the answer tokens: ([(B, keep)], None)."""
+
+    def __init__(self, pipe: Pipeline, ev, pre, budgets: list[int], signals: dict, seed: int):
+        self.pipe, self.ev, self.pre, self.budgets = pipe, ev, pre, budgets
+        self.signals, self.seed = signals, seed
+
+    def __call__(self, answer: list[int]) -> tuple[list, float | None]:
+        return [(b, self.pipe.select(self.ev, self.pre, b, self.signals, self.seed)) for b in self.budgets], None
+
+
+class AfterAnswer(KeepSets):
     """The keep sets of an evictor that reads the full cache's answer (evictor lorekv-answer): called
     with the answer tokens at the check, it scores the prompt by their queries (one batch in sequence 1,
     emptied again) and selects one keep set per budget, smallest first."""
 
     def __init__(self, pipe: Pipeline, ev, pre, budgets: list[int], last_pos: int, signals: dict, seed: int):
-        self.pipe, self.ev, self.pre, self.budgets = pipe, ev, pre, budgets
-        self.last_pos, self.signals, self.seed = last_pos, signals, seed
+        super().__init__(pipe, ev, pre, budgets, signals, seed)
+        self.last_pos = last_pos
 
     def __call__(self, answer: list[int]) -> tuple[list, float]:
         """([(B, keep)] smallest first, the milliseconds the scoring took)."""
