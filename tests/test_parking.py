@@ -4,6 +4,7 @@ short conversation keeps the full cache."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from page_local.chat.session import ChatSession
@@ -210,7 +211,7 @@ def test_a_speed_evictor_needing_sentences_is_told_where_they_are(smollm2_path):
         assert eng.pipeline.spans is not None
         bare = Pipeline(eng.ctx, eng.model)
         with pytest.raises(ValueError, match="keeps whole sentences"):
-            bare.signals(frozenset({"probe", "spans"}), None, 0, 0)
+            bare.sentences(np.arange(3))
 
 
 def test_park_from_is_where_parking_pays_for_the_model(smollm2_path):

@@ -230,7 +230,9 @@ class Messages:
         (evicted, plan, lookahead ms)."""
         pipe, ev = self.pipeline, t.evictor
         last_pos, last_tok = pos0 + len(toks) - 1, toks[-1]
-        signals = pipe.signals(ev.needs, pre, last_pos, last_tok, spec=getattr(ev, "spec", None),
+        later = (not evict_now or t.gate_mode in SEARCH_MODES) and not ev.needs & AFTER_ANSWER
+        needs = ev.needs - {"spans"} if later else ev.needs  # KeepSets cuts the sentences at the check
+        signals = pipe.signals(needs, pre, last_pos, last_tok, spec=getattr(ev, "spec", None),
                                restore_logits=not evict_now)
         lookahead_ms = signals["lookahead"].ms if "lookahead" in signals else None
         if t.gate_mode in SEARCH_MODES:  # one keep set per rung, smallest first, from one probe
@@ -241,7 +243,7 @@ class Messages:
         if ev.needs & AFTER_ANSWER:  # the keep sets wait for the full cache's answer (SelfCheck)
             return False, (AfterAnswer(pipe, ev, pre, rungs, last_pos, signals, t.seed), pre.held, last_pos,
                            last_tok), lookahead_ms
-        if not evict_now or t.gate_mode in SEARCH_MODES:  # the keep sets wait for the check (selfcheck.KeepSets)
+        if later:  # the keep sets wait for the check (selfcheck.KeepSets)
             keeps = KeepSets(pipe, ev, pre, rungs, signals, t.seed)
             return False, (keeps, pre.held, last_pos, last_tok), lookahead_ms
         keep = pipe.select(ev, pre, B, signals, t.seed)

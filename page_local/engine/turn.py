@@ -181,9 +181,7 @@ class Pipeline:
         if "prefill_attention" in needs and pre.prefill_attention is not None:
             out["prefill_attention"] = align(pre.prefill_attention, pre.probe, pre.held)
         if "spans" in needs:
-            if self.spans is None:
-                raise ValueError("this evictor keeps whole sentences, and nothing told the pipeline where they are")
-            out["spans"] = self.spans(pre.held)
+            out["spans"] = self.sentences(pre.held)
         if "lookahead" in needs:  # LORE-KV: sampled futures score the prompt, then are removed
             key = ("lookahead", spec)
             if key not in cache:
@@ -193,6 +191,12 @@ class Pipeline:
                     ctx.decode([last_tok], last_pos, seq)
             out["lookahead"] = cache[key]
         return out
+
+    def sentences(self, held: np.ndarray) -> np.ndarray:
+        """The sentence of each held position (the "spans" signal; cut over the whole conversation's text)."""
+        if self.spans is None:
+            raise ValueError("this evictor keeps whole sentences, and nothing told the pipeline where they are")
+        return self.spans(held)
 
     def lookahead(self, last_logits: np.ndarray, spec, seq: int = 0):
         """LORE-KV's lookahead (engine/lookahead.py) on seq, whose newest token produced last_logits; the
