@@ -259,6 +259,25 @@ def test_sentences_end_at_stops_newlines_control_tokens_and_the_span_cap():
         sentence_spans(["a"], max_span=0)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", " b", ".", "?\"", "\n", "<c>", " d.", "e "]), max_size=60),
+       st.lists(st.integers(0, 60), max_size=5), st.integers(1, 6))
+def test_sentences_cut_in_parts_are_the_sentences_cut_at_once(pieces, cuts, max_span):
+    from page_local.evictors.spans import SentenceCut, sentence_spans
+
+    control = [p == "<c>" for p in pieces]
+    cut, bounds = SentenceCut(max_span), sorted({0, len(pieces), *(c for c in cuts if c <= len(pieces))})
+    for a, b in zip(bounds, bounds[1:]):
+        cut.extend(pieces[a:b], control[a:b])
+    ids = sentence_spans(pieces, lambda i: control[i], max_span).tolist()
+    assert cut.ids.tolist() == ids
+    assert not cut.ids.flags.writeable
+    texts = ["" for _ in range(max(ids) + 1 if ids else 0)]
+    for p, c, i in zip(pieces, control, ids):
+        texts[i] += "" if c else p
+    assert cut.texts == texts
+
+
 def spans_input(mean: np.ndarray, spans: list[int], budget: int) -> EvictionInput:
     held = np.arange(len(spans), dtype=np.int32)
     return EvictionInput(held=held, budget=budget, window=held[:0], n_sink=0, probe=make_probe(held, mean[None, :]),

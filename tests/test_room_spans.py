@@ -175,3 +175,36 @@ def test_reading_again_by_the_words_reads_only_when_the_asked_sentence_went(run)
         assert len(eng.history) == n_before
     assert reread["went"][0] and reread["went"][1] > 0, reread
     assert reread["held"] == (False, 0) and reread["elsewhere"] == (False, 0), reread
+
+
+def test_the_conversation_is_cut_into_sentences_once_and_again_only_where_it_changed(run):
+    """history_spans and span_texts cut what was added since their last call (SentenceCut) and start over when the
+    conversation was rewound or replaced: each answer is the cut of the whole conversation at once."""
+    from page_local.evictors.spans import sentence_spans
+
+    cell = run.cells[0]
+    eng = run.engine("room-spans", cell)
+    doc = run.document(cell, 0)
+    r = ld.reading("room-spans", [run.prompter.tokens(doc.message(q)) for q in range(ld.FACTS)], cell.n_ctx,
+                   run.max_tokens, eng.n_keep)
+    snap, _ = ld.read_shared(eng, r)
+    ld.ask(eng, snap, r.suffix[0], run.max_tokens)
+    room, conv = eng.room, eng.conv
+
+    def whole() -> list[int]:
+        hist = list(conv.history)
+        pieces = [eng.model.token_to_piece(t, special=True).decode("utf-8", "replace") for t in hist]
+        ids = sentence_spans(pieces, lambda i: eng.model.is_control(hist[i])).tolist()
+        texts = ["" for _ in range(max(ids) + 1)]
+        for t, p, i in zip(hist, pieces, ids):
+            texts[i] += "" if eng.model.is_control(t) else p
+        assert room.span_texts(conv) == texts
+        return ids
+
+    assert len(conv) > cell.n_ctx and room.history_spans(conv).tolist() == whole()
+    first = room.history_spans(conv)
+    assert room.history_spans(conv) is first  # nothing added: nothing cut again
+    conv.truncate(len(conv) // 2)  # rewound (an edited message, a regenerated answer)
+    assert room.history_spans(conv).tolist() == whole()
+    conv.extend(eng.model.tokenize(" The end. And then", add_special=False, parse_special=False), len(conv))
+    assert room.history_spans(conv).tolist() == whole()

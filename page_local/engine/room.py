@@ -85,7 +85,7 @@ from page_local.engine.turn import N_SINK, TOP_K, W
 from page_local.errors import ContextFull
 from page_local.evictors import get_evictor
 from page_local.evictors.base import EvictionInput, Evictor
-from page_local.evictors.spans import keep_spans, sentence_spans
+from page_local.evictors.spans import SentenceCut, keep_spans, sentence_spans
 
 LOW_WATER = 0.5  # after making room, the earlier conversation holds at most this fraction of n_ctx
 RECENT = 0.125  # the conversation's latest tokens protected while making room, as a fraction of n_ctx
@@ -296,6 +296,8 @@ class RoomMaker:
         self.ranking = ROOM_RANKING  # what ranks the cells room-making evicts (set_ranking)
         self._evictor = None  # set_evictor; None: ROOM_EVICTOR
         self._pieces: dict[int, str] = {}  # token -> its text, for sentence_spans
+        # the conversation's sentences as cut so far, and the tokens they were cut from (history_spans)
+        self._cut: tuple[SentenceCut, list[int]] = (SentenceCut(), [])
         self.generic_share = GENERIC_SHARE  # "question+generic": the generic query's share of the kept cells
         self.lexical_share = LEXICAL_SHARE  # "hybrid": BM25's share of a sentence's score (set_lexical_share)
 
@@ -468,8 +470,13 @@ class RoomMaker:
     def history_spans(self, conv: Transcript) -> np.ndarray:
         """i64 (len(history),): the sentence of every token of the conversation (sentence_spans)."""
         hist = conv.history
-        pieces = [self._piece(t) for t in hist]
-        return sentence_spans(pieces, lambda i: self.model.is_control(hist[i]))
+        cut, seen = self._cut
+        if len(seen) > len(hist) or hist[:len(seen)] != seen:  # not the conversation cut before, or rewound
+            cut, seen = self._cut = (SentenceCut(), [])
+        add = [int(t) for t in hist[len(seen):]]
+        cut.extend([self._piece(t) for t in add], [self.model.is_control(t) for t in add])
+        seen.extend(add)
+        return cut.ids
 
     def query_text(self, toks: list[int]) -> str:
         """The question in a message's tokens, as text, for the lexical ranking: of the sentences in its last
@@ -500,7 +507,7 @@ class RoomMaker:
         attention = ev.score(inp)  # f64 (T,): with snapkv-spans' prior "max", each cell's best of the cuts
         # the conversation's sentences as text (control tokens left out), evicted ones included: BM25's IDF is the
         # document's, and the same sentence scores the same at every cut
-        per_span = bm25_scores(self.span_texts(conv, hist_spans), room["query"])
+        per_span = bm25_scores(self.span_texts(conv), room["query"])
         share = WORD_RANKINGS[self.ranking]
         score = word_scores(attention, per_span[spans], spans, self.lexical_share if share is None else share)
         keep = keep_spans(score, spans, np.zeros(cand.size, bool), n)
@@ -508,15 +515,11 @@ class RoomMaker:
         room["ranking"] = self.ranking
         return cand[keep].astype(np.int32), inp
 
-    def span_texts(self, conv: Transcript, hist_spans: np.ndarray) -> list[str]:
-        """The text of each of the conversation's sentences (hist_spans: history_spans), evicted ones included,
-        control tokens left out."""
-        hist = conv.history
-        texts: list[list[str]] = [[] for _ in range(int(hist_spans.max()) + 1 if hist_spans.size else 0)]
-        for t, i in zip(hist, hist_spans.tolist()):
-            if not self.model.is_control(int(t)):
-                texts[i].append(self._piece(int(t)))
-        return ["".join(x) for x in texts]
+    def span_texts(self, conv: Transcript) -> list[str]:
+        """The text of each of the conversation's sentences (history_spans), evicted ones included, control tokens
+        left out."""
+        self.history_spans(conv)
+        return self._cut[0].texts
 
     def words_went(self, conv: Transcript, toks: list[int]) -> bool:
         """Reading again "words": whether the sentence of the conversation that the message's question (query_text)
@@ -528,7 +531,7 @@ class RoomMaker:
         if not query:
             return False
         spans = self.history_spans(conv)
-        scores = bm25_scores(self.span_texts(conv, spans), query)
+        scores = bm25_scores(self.span_texts(conv), query)
         if not scores.size or scores.max() <= 0:
             return False
         went = np.zeros(scores.size, bool)

@@ -50,16 +50,55 @@ def sentence_spans(pieces: Sequence[str], is_control: Callable[[int], bool] | No
     """i64 (n,): the span of each token, counted from 0 in order. A span ends after a token whose text ends
     a sentence (".", "!" or "?", closing quotes allowed), holds a newline, or is a control token (index i
     for which is_control(i)); and after max_span tokens without such an end."""
-    if isinstance(max_span, bool) or not isinstance(max_span, int) or max_span < 1:
-        raise ValueError(f"max_span must be an int >= 1, got {max_span!r}")
-    ids = np.zeros(len(pieces), dtype=np.int64)
-    span, length = 0, 0
-    for i, p in enumerate(pieces):
-        ids[i] = span
-        length += 1
-        if length >= max_span or "\n" in p or _END.search(p) or (is_control is not None and is_control(i)):
-            span, length = span + 1, 0
-    return ids
+    cut = SentenceCut(max_span)
+    cut.extend(pieces, [bool(is_control(i)) for i in range(len(pieces))] if is_control is not None else None)
+    return cut.ids
+
+
+class SentenceCut:
+    """sentence_spans kept up to date as a sequence grows: a token's span depends only on the tokens before it,
+    so the pieces appended since the last call are cut from where the cut stopped (a chat's sentences at a
+    message cost what the message added, not the whole conversation: 87 ms at 17.8K cells before)."""
+
+    def __init__(self, max_span: int = MAX_SPAN):
+        if isinstance(max_span, bool) or not isinstance(max_span, int) or max_span < 1:
+            raise ValueError(f"max_span must be an int >= 1, got {max_span!r}")
+        self.max_span = max_span
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._ids.setflags(write=False)
+        self._span, self._length = 0, 0
+        self._done: list[str] = []  # the text of each ended span
+        self._open: list[str] = []  # the pieces of the span not yet ended
+
+    @property
+    def ids(self) -> np.ndarray:
+        """i64 (n,): the span of every token so far (read-only)."""
+        return self._ids
+
+    @property
+    def texts(self) -> list[str]:
+        """The text of each span so far, control tokens left out (a span of control tokens only is "")."""
+        return self._done + ["".join(self._open)] if self._length else list(self._done)
+
+    def extend(self, pieces: Sequence[str], control: Sequence[bool] | None = None) -> None:
+        """Cut the next pieces (control[i]: whether piece i is a control token)."""
+        if not len(pieces):
+            return
+        new = np.zeros(len(pieces), dtype=np.int64)
+        span, length, done, open_ = self._span, self._length, self._done, self._open
+        for i, p in enumerate(pieces):
+            new[i] = span
+            length += 1
+            ctl = control is not None and control[i]
+            if not ctl:
+                open_.append(p)
+            if length >= self.max_span or "\n" in p or _END.search(p) or ctl:
+                span, length = span + 1, 0
+                done.append("".join(open_))
+                open_.clear()
+        self._span, self._length = span, length
+        self._ids = np.concatenate([self._ids, new])
+        self._ids.setflags(write=False)
 
 
 class SnapKVSpans(Evictor):
