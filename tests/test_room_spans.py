@@ -182,14 +182,12 @@ def test_the_conversation_is_cut_into_sentences_once_and_again_only_where_it_cha
     conversation was rewound or replaced: each answer is the cut of the whole conversation at once."""
     from page_local.evictors.spans import sentence_spans
 
+    from page_local.engine.transcript import Transcript
+
     cell = run.cells[0]
     eng = run.engine("room-spans", cell)
-    doc = run.document(cell, 0)
-    r = ld.reading("room-spans", [run.prompter.tokens(doc.message(q)) for q in range(ld.FACTS)], cell.n_ctx,
-                   run.max_tokens, eng.n_keep)
-    snap, _ = ld.read_shared(eng, r)
-    ld.ask(eng, snap, r.suffix[0], run.max_tokens)
-    room, conv = eng.room, eng.conv
+    room, conv = eng.room, Transcript()  # the engine's room-maker, on a conversation of the document's tokens
+    conv.extend(run.prompter.tokens(run.document(cell, 0).message(0)), 0)
 
     def whole() -> list[int]:
         hist = list(conv.history)

@@ -58,7 +58,7 @@ def sentence_spans(pieces: Sequence[str], is_control: Callable[[int], bool] | No
 class SentenceCut:
     """sentence_spans kept up to date as a sequence grows: a token's span depends only on the tokens before it,
     so the pieces appended since the last call are cut from where the cut stopped (a chat's sentences at a
-    message cost what the message added, not the whole conversation: 87 ms at 17.8K cells before)."""
+    message cost what the message added, not the whole conversation: 57 ms at 17.8K tokens before, AMD Zen 4)."""
 
     def __init__(self, max_span: int = MAX_SPAN):
         if isinstance(max_span, bool) or not isinstance(max_span, int) or max_span < 1:
